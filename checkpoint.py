@@ -1,0 +1,279 @@
+"""Checkpoint folders in Meta's layout (params.json + consolidated.NN.pth, any model-parallel
+size) and Hugging Face's (config.json + *.safetensors). Both are read through memory maps,
+so a rank touches only the slices it keeps; nothing is unpickled beyond plain tensors."""
+
+import glob
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The slice [start, end) along dim (None: the whole tensor) of checkpoint tensor
+    `name` (Meta's names), whose full shape must be `shape`."""
+    name: str
+    shape: tuple
+    dim: int | None = None
+    start: int = 0
+    end: int = 0
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def open_checkpoint(folder: str):
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"checkpoint folder not found: {folder}")
+    if os.path.isfile(os.path.join(folder, "params.json")):
+        return MetaCheckpoint(folder)
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return HFCheckpoint(folder)
+    raise CheckpointError(f"{folder} holds neither params.json (Meta layout) nor config.json (Hugging Face layout)")
+
+
+class Checkpoint:
+    folder: str
+    model_args: dict  # ModelArgs keyword arguments
+
+    def tensor(self, piece: Piece) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def load_into(self, model: torch.nn.Module, plan: dict[str, list[Piece]]):
+        """Fill every parameter of model from the slices that plan names for it."""
+        params = dict(model.named_parameters())
+        if set(params) != set(plan):
+            raise CheckpointError(f"weight plan and model disagree on {sorted(set(params) ^ set(plan))}")
+        for name, pieces in plan.items():
+            parts = [self.tensor(p) for p in pieces]
+            value = parts[0] if len(parts) == 1 else torch.cat(parts)
+            params[name].copy_(value)
+
+
+def narrow(t: torch.Tensor, piece: Piece) -> torch.Tensor:
+    return t if piece.dim is None else t.narrow(piece.dim, piece.start, piece.end - piece.start)
+
+
+def check_shape(piece: Piece, shape, where: str):
+    if tuple(shape) != tuple(piece.shape):
+        raise CheckpointError(f"tensor {piece.name} in {where} has shape {tuple(shape)}, "
+                              f"the model needs {tuple(piece.shape)}")
+
+
+# --- Meta layout -----------------------------------------------------------------------
+
+META_ARGS = {"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
+             "ffn_dim_multiplier", "norm_eps", "rope_theta", "max_batch_size", "max_seq_len"}
+
+# The dim along which fairscale's model parallelism splits each weight; absent: replicated.
+MP_SPLIT_DIM = {"tok_embeddings": 1, "output": 0, "wq": 0, "wk": 0, "wv": 0, "wo": 1,
+                "w1": 0, "w3": 0, "w2": 1}
+
+
+def meta_model_args(params: dict, path: str) -> dict:
+    params = dict(params)
+    if params.pop("use_scaled_rope", False):
+        raise CheckpointError(f"{path}: use_scaled_rope (Llama 3.1 RoPE scaling) is not implemented")
+    unknown = set(params) - META_ARGS
+    if unknown:
+        raise CheckpointError(f"{path}: unsupported parameters {sorted(unknown)}")
+    params.pop("max_batch_size", None)
+    params.pop("max_seq_len", None)
+    return params
+
+
+class MetaCheckpoint(Checkpoint):
+    def __init__(self, folder: str):
+        self.folder = folder
+        params_path = os.path.join(folder, "params.json")
+        with open(params_path) as f:
+            self.model_args = meta_model_args(json.load(f), params_path)
+        paths = sorted(glob.glob(os.path.join(folder, "consolidated.*.pth")))
+        if not paths:
+            raise CheckpointError(f"no consolidated.NN.pth files in {folder}")
+        for i, path in enumerate(paths):
+            expected = os.path.join(folder, f"consolidated.{i:02d}.pth")
+            if path != expected:
+                raise CheckpointError(f"missing shard {expected} (found {[os.path.basename(p) for p in paths]})")
+        self.paths = paths
+        self.shards = [load_pth(p) for p in paths]
+
+    def tensor(self, piece: Piece) -> torch.Tensor:
+        parts = []
+        for path, shard in zip(self.paths, self.shards):
+            if piece.name not in shard:
+                raise CheckpointError(f"tensor {piece.name} is missing from {path}")
+            parts.append(shard[piece.name])
+        kind = piece.name.split(".")[-2]
+        split = MP_SPLIT_DIM.get(kind)
+        if split is None:
+            for path, part in zip(self.paths, parts):
+                check_shape(piece, part.shape, path)
+            return narrow(parts[0], piece)
+        for path, part in zip(self.paths, parts):
+            shard_shape = list(piece.shape)
+            shard_shape[split] //= len(parts)
+            if list(part.shape) != shard_shape:
+                raise CheckpointError(f"tensor {piece.name} in {path} has shape {tuple(part.shape)}, the model "
+                                      f"needs {tuple(shard_shape)} per shard of {len(parts)} (full {piece.shape})")
+        return slice_of_concatenation(parts, split, piece)
+
+
+def load_pth(path: str) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # weights_only refuses pickled code; a torn file fails here too
+        raise CheckpointError(f"cannot load {path} as plain tensors: {e}") from e
+
+
+def slice_of_concatenation(parts: list[torch.Tensor], cat_dim: int, piece: Piece) -> torch.Tensor:
+    """piece's slice of torch.cat(parts, cat_dim), reading only the parts it overlaps."""
+    if piece.dim is None or piece.dim != cat_dim:
+        return torch.cat([narrow(p, piece) for p in parts], cat_dim)
+    out, offset = [], 0
+    for p in parts:
+        n = p.shape[cat_dim]
+        lo, hi = max(piece.start, offset), min(piece.end, offset + n)
+        if lo < hi:
+            out.append(p.narrow(cat_dim, lo - offset, hi - lo))
+        offset += n
+    return out[0] if len(out) == 1 else torch.cat(out, cat_dim)
+
+
+# --- Hugging Face layout ---------------------------------------------------------------
+
+HF_NAMES = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+            "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+            "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
+            "feed_forward.w3": "mlp.up_proj", "attention_norm": "input_layernorm",
+            "ffn_norm": "post_attention_layernorm"}
+
+
+def hf_name(name: str, tied: bool) -> str:
+    """Meta name -> Hugging Face name."""
+    if name == "tok_embeddings.weight" or (name == "output.weight" and tied):
+        return "model.embed_tokens.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    if name == "norm.weight":
+        return "model.norm.weight"
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
+    return f"model.layers.{m[1]}.{HF_NAMES[m[2]]}.weight"
+
+
+def hf_model_args(config: dict, path: str) -> dict:
+    def refuse(what):
+        raise CheckpointError(f"{path}: {what} is not implemented by this model")
+
+    if config.get("model_type") != "llama":
+        refuse(f"model_type {config.get('model_type')!r}")
+    if config.get("hidden_act", "silu") != "silu":
+        refuse(f"hidden_act {config['hidden_act']!r}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag):
+            refuse(flag)
+    rope = config.get("rope_parameters") or {}  # transformers 5 keeps rope_theta here
+    if config.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+        refuse(f"rope scaling {config.get('rope_scaling') or rope}")
+    dim, n_heads = config["hidden_size"], config["num_attention_heads"]
+    if config.get("head_dim") not in (None, dim // n_heads):
+        refuse(f"head_dim {config['head_dim']} != hidden_size / num_attention_heads")
+    return {"dim": dim, "n_layers": config["num_hidden_layers"], "n_heads": n_heads,
+            "n_kv_heads": config.get("num_key_value_heads") or n_heads,
+            "vocab_size": config["vocab_size"], "intermediate_size": config["intermediate_size"],
+            "norm_eps": config.get("rms_norm_eps", 1e-6),
+            "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+            "tie_word_embeddings": bool(config.get("tie_word_embeddings", False))}
+
+
+class HFCheckpoint(Checkpoint):
+    def __init__(self, folder: str):
+        self.folder = folder
+        config_path = os.path.join(folder, "config.json")
+        with open(config_path) as f:
+            self.model_args = hf_model_args(json.load(f), config_path)
+        self.tied = self.model_args["tie_word_embeddings"]
+        index_path = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.isfile(index_path):
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
+            if not files:
+                raise CheckpointError(f"no *.safetensors files in {folder}")
+        self.files = {}
+        for name in files:
+            path = os.path.join(folder, name)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"missing shard {path} (listed in {index_path})")
+            self.files[name] = SafetensorsFile(path)
+        self.location = {t: f for f in self.files.values() for t in f.header}
+        self.n_heads, self.n_kv_heads = self.model_args["n_heads"], self.model_args["n_kv_heads"]
+
+    def tensor(self, piece: Piece) -> torch.Tensor:
+        name = hf_name(piece.name, self.tied)
+        file = self.location.get(name)
+        if file is None:
+            raise CheckpointError(f"tensor {name} ({piece.name}) is missing from {self.folder}")
+        t = file.tensor(name)
+        check_shape(piece, t.shape, f"{file.path} ({name})")
+        t = narrow(t, piece)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            t = unpermute_rotary(t, self.model_args["dim"] // self.n_heads)
+        return t
+
+
+def unpermute_rotary(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Undo the per-head permutation that Hugging Face's conversion applies to q and k rows
+    (halves -> Meta's interleaved pairs). Works on any head-aligned slice of rows."""
+    rows, cols = w.shape
+    return w.view(rows // head_dim, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+class SafetensorsFile:
+    """A .safetensors file, memory-mapped; tensors are views into the map."""
+
+    def __init__(self, path: str):
+        self.path = path
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path} is not a safetensors file (too short)")
+            n = struct.unpack("<Q", head)[0]
+            if n > size - 8:
+                raise CheckpointError(f"{path} is not a safetensors file (header length {n})")
+            try:
+                header = json.loads(f.read(n))
+            except ValueError as e:
+                raise CheckpointError(f"{path}: unreadable safetensors header: {e}") from e
+        header.pop("__metadata__", None)
+        self.header = header
+        self.data_start = 8 + n
+        self.storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=size)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        info = self.header[name]
+        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
+        begin, end = (self.data_start + o for o in info["data_offsets"])
+        shape = info["shape"]
+        itemsize = dtype.itemsize
+        count = (end - begin) // itemsize
+        if count != torch.Size(shape).numel() or end > len(self.storage):
+            raise CheckpointError(f"{self.path}: tensor {name} has inconsistent offsets for shape {shape}")
+        if begin % itemsize == 0:
+            return torch.empty(0, dtype=dtype).set_(self.storage, begin // itemsize, shape)
+        raw = torch.empty(0, dtype=torch.uint8).set_(self.storage, begin, (end - begin,))
+        return raw.clone().view(dtype).view(shape)  # unaligned: copy out of the map
