@@ -48,7 +48,9 @@ def sample_top_p(probs: torch.Tensor, p: float, generator: torch.Generator | Non
     (the token that crosses p stays in), renormalised. probs: (batch, vocab) -> (batch, 1)."""
     probs_sort, probs_idx = torch.sort(probs, dim=-1, descending=True)
     before = torch.cumsum(probs_sort, dim=-1) - probs_sort  # mass of the more probable tokens
-    probs_sort = probs_sort.masked_fill(before >= p, 0.0)
+    drop = before >= p
+    drop[..., 0] = False  # the most probable token always stays (p <= 0 would drop them all)
+    probs_sort = probs_sort.masked_fill(drop, 0.0)
     probs_sort = probs_sort / probs_sort.sum(dim=-1, keepdim=True)
     next_token = torch.multinomial(probs_sort, num_samples=1, generator=generator)
     return torch.gather(probs_idx, -1, next_token)
@@ -101,7 +103,8 @@ class Sequence:
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
-    n = 1 if text.endswith("\ufffd") else 0
+    # an unfinished character of up to 4 bytes decodes as one U+FFFD per byte so far
+    n = min(3, len(text) - len(text.rstrip("\ufffd")))
     for stop in stops:
         for k in range(min(len(stop) - 1, len(text)), n, -1):
             if text.endswith(stop[:k]):
@@ -232,7 +235,8 @@ def sampling_params(prompts: list[list[int]], max_seq_len: int, max_gen_len, **o
         max_gen_len = [max_gen_len] * len(prompts)
     if len(max_gen_len) != len(prompts):
         raise ValueError(f"{len(max_gen_len)} max_gen_len values for {len(prompts)} prompts")
-    stop = tuple(options.pop("stop", None) or ())
+    stop = options.pop("stop", None) or ()
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)  # one string is one stop string
     return [SamplingParams(n if n is not None else max_seq_len - len(t), stop=stop, **options)
             for t, n in zip(prompts, max_gen_len)]
 
