@@ -120,8 +120,17 @@ class MetaCheckpoint(Checkpoint):
             shard_shape = list(piece.shape)
             shard_shape[split] //= len(parts)
             if list(part.shape) != shard_shape:
+                # Meta's files do not record their number; a shard that holds 1/n of the
+                # tensor, n > the files found, means the last ones are missing.
+                n = piece.shape[split] // max(part.shape[split], 1)
+                one_nth = [*piece.shape[:split], part.shape[split], *piece.shape[split + 1:]]
+                hint = ""
+                if n > len(parts) and list(part.shape) == one_nth and part.shape[split] * n == piece.shape[split]:
+                    missing = [f"consolidated.{i:02d}.pth" for i in range(len(parts), n)]
+                    hint = f"; its shape implies {n} shards, {self.folder} holds {len(parts)}: missing {missing}"
                 raise CheckpointError(f"tensor {piece.name} in {path} has shape {tuple(part.shape)}, the model "
-                                      f"needs {tuple(shard_shape)} per shard of {len(parts)} (full {piece.shape})")
+                                      f"needs {tuple(shard_shape)} per shard of {len(parts)} (full {piece.shape})"
+                                      + hint)
         return slice_of_concatenation(parts, split, piece)
 
 

@@ -346,7 +346,8 @@ def weight_plan(model: Transformer, rank: int, world_size: int) -> dict[str, lis
     plan = {"tok_embeddings.weight": [Piece("tok_embeddings.weight", (args.vocab_size, dim))],
             "norm.weight": [Piece("norm.weight", (dim,))]}
     out_rows = model.output.weight.shape[0]
-    plan["output.weight"] = [Piece("output.weight", (args.vocab_size, dim), 0, rank * out_rows, (rank + 1) * out_rows)]
+    out_start = rank * out_rows if model.output_group is not None else 0  # split, or replicated
+    plan["output.weight"] = [Piece("output.weight", (args.vocab_size, dim), 0, out_start, out_start + out_rows)]
     for i in range(args.n_layers):
         p = f"layers.{i}."
         kv_shape = (args.n_kv_heads * hd, dim)
