@@ -398,9 +398,11 @@ def init_distributed(world_size: int) -> torch.device:
     return device
 
 
-def tp_llama(model_args, checkpoint_path, tokenizer_path, world_size, dtype: torch.dtype | None = None):
+def tp_llama(model_args, checkpoint_path, tokenizer_path, world_size, dtype: torch.dtype | None = None,
+             max_batch_size: int | None = None, max_seq_len: int | None = None):
     """Build a Llama sharded over world_size ranks from a Meta or Hugging Face checkpoint
-    folder. Each rank reads only its own slices of the (memory-mapped) checkpoint."""
+    folder. Each rank reads only its own slices of the (memory-mapped) checkpoint.
+    max_batch_size and max_seq_len, when given, size the KV cache instead of model_args."""
     device = init_distributed(world_size)
     rank, _ = tp_world()
     tokenizer = Tokenizer(tokenizer_path)
@@ -417,7 +419,7 @@ def tp_llama(model_args, checkpoint_path, tokenizer_path, world_size, dtype: tor
     model.tie_weights()
     reader.load_into(model, weight_plan(model, rank, world_size))
     model.eval().requires_grad_(False)
-    model.setup_caches()
+    model.setup_caches(max_batch_size, max_seq_len)
     return Llama(model, tokenizer)
 
 

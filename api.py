@@ -1,0 +1,260 @@
+"""The request schema of the native JSON API: parsing and validating a request body into
+a Request, turning a Request into prompts with sampling settings, and formatting answers.
+Every problem is a RequestError that names the field; the handler sends it as a 4xx."""
+
+import json
+import math
+import time
+from dataclasses import dataclass, field, fields
+
+import generate
+from generate import SamplingParams, Sequence
+
+
+class RequestError(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+@dataclass
+class Limits:
+    max_new_tokens: int = 512  # cap on max_new_tokens (max_tokens in the OpenAI API)
+    max_prompt_tokens: int = 0  # 0: whatever max_seq_len leaves room for
+    max_prompts: int = 8  # prompts in one request (each takes a KV-cache slot)
+    max_messages: int = 64  # messages in one dialog
+    max_body_bytes: int = 1 << 20
+
+
+@dataclass
+class Defaults:
+    max_new_tokens: int = 64
+    temperature: float = 0.6
+    top_p: float = 0.9
+    top_k: int = 0
+
+
+def dataclass_from(cls, values: dict | None, where: str):
+    """cls(**values) for a config section, refusing unknown keys by name."""
+    values = values or {}
+    unknown = set(values) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+    return cls(**values)
+
+
+@dataclass
+class Request:
+    api: str  # "native", "completions", "chat" or "models"
+    chat: bool = False
+    inputs: list = field(default_factory=list)  # prompt strings, or dialogs
+    batched: bool = False  # a list of prompts came in: a list of answers goes out
+    stream: bool = False
+    max_new_tokens: int | None = None  # None: the default, cut to what the context leaves
+    sampling: dict = field(default_factory=dict)  # SamplingParams fields but max_gen_len
+    include_usage: bool = False  # OpenAI stream_options.include_usage
+
+
+@dataclass
+class Job:
+    """One request in flight."""
+    request: Request
+    http: bool  # HTTP (not gRPC): a one-message answer must not carry the stream header
+    prompts: list[tuple[list[int], SamplingParams]]
+    seqs: list[Sequence] = field(default_factory=list)
+    error: RequestError | None = None
+    started: bool = False  # a streamed chunk went out
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+def read_body(raw, limits: Limits):
+    """The JSON value of a request body as TorchServe hands it over (bytes, str, or JSON
+    it decoded already)."""
+    if isinstance(raw, (dict, list)):
+        return raw
+    if raw is None or len(raw) == 0:
+        raise RequestError("the request body is empty; send a JSON object", "body")
+    if len(raw) > limits.max_body_bytes:
+        raise RequestError(f"the request body has {len(raw)} bytes, the limit is {limits.max_body_bytes}",
+                           "body", status=413)
+    if isinstance(raw, (bytes, bytearray)):
+        try:
+            raw = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RequestError(f"the request body is not valid UTF-8: {e}", "body") from None
+    try:
+        return json.loads(raw, parse_constant=reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise RequestError(f"the request body is not valid JSON: {e}", "body") from None
+
+
+def reject_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+# --- field validators: each returns the value or raises RequestError naming the field ----
+
+def get_bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false, got {type_name(value)}", name)
+    return value
+
+
+def get_int(body: dict, name: str, lo: int, hi: int, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RequestError(f"{name} must be an integer, got {type_name(value)}", name)
+    if not lo <= value <= hi:
+        raise RequestError(f"{name} must be between {lo} and {hi}, got {value}", name)
+    return value
+
+
+def get_number(body: dict, name: str, lo: float, hi: float, default: float, lo_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise RequestError(f"{name} must be a finite number, got {type_name(value)}", name)
+    if value < lo or value > hi or (lo_open and value == lo):
+        raise RequestError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", name)
+    return float(value)
+
+
+def get_stop(body: dict, name: str = "stop", max_count: int = 16) -> tuple[str, ...]:
+    value = body.get(name)
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError(f"{name} must be a non-empty string or a list of them", name)
+    if len(stops) > max_count:
+        raise RequestError(f"{name} may hold at most {max_count} strings, got {len(stops)}", name)
+    return tuple(stops)
+
+
+def get_prompts(body: dict, name: str, limits: Limits) -> tuple[list[str], bool]:
+    """(prompts, batched) from a string or a non-empty list of strings."""
+    value = body[name]
+    if isinstance(value, str):
+        return [value], False
+    if not isinstance(value, list) or not value:
+        raise RequestError(f"{name} must be a string or a non-empty list of strings", name)
+    for i, p in enumerate(value):
+        if not isinstance(p, str):
+            raise RequestError(f"{name}[{i}] must be a string, got {type_name(p)}", f"{name}[{i}]")
+    if len(value) > limits.max_prompts:
+        raise RequestError(f"{name} holds {len(value)} prompts, the limit is {limits.max_prompts}", name)
+    return value, True
+
+
+def get_dialog(body: dict, name: str, limits: Limits) -> list:
+    dialog = body[name]
+    if isinstance(dialog, list) and len(dialog) > limits.max_messages:
+        raise RequestError(f"{name} holds {len(dialog)} messages, the limit is {limits.max_messages}", name)
+    try:
+        return generate.validate_dialog(dialog)
+    except ValueError as e:
+        raise RequestError(str(e).replace("dialog", name), name) from None
+
+
+def type_name(value) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+# --- the native API ----------------------------------------------------------------------
+
+NATIVE_FIELDS = {"prompt", "dialog", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
+                 "stop", "logprobs", "echo", "stream"}
+
+
+def parse_native(body, limits: Limits, defaults: Defaults) -> Request:
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type_name(body)}", "body")
+    unknown = sorted(set(body) - NATIVE_FIELDS)
+    if unknown:
+        raise RequestError(f"unknown fields {unknown}; accepted: {sorted(NATIVE_FIELDS)}", unknown[0])
+    given = [k for k in ("prompt", "dialog", "messages") if k in body]
+    if len(given) != 1:
+        raise RequestError("give exactly one of prompt (text completion) or dialog/messages (chat)"
+                           + (f", not {' and '.join(given)}" if given else ""), "prompt")
+    req = Request("native", chat=given[0] != "prompt")
+    if req.chat:
+        req.inputs = [get_dialog(body, given[0], limits)]
+    else:
+        req.inputs, req.batched = get_prompts(body, "prompt", limits)
+    req.stream = get_bool(body, "stream")
+    req.max_new_tokens = get_int(body, "max_new_tokens", 1, limits.max_new_tokens)
+    req.sampling = sampling_fields(body, defaults, top_p="top_p")
+    req.sampling["logprobs"] = get_bool(body, "logprobs")
+    req.sampling["echo"] = get_bool(body, "echo")
+    if req.chat and req.sampling["echo"]:
+        raise RequestError("echo is only for text completion", "echo")
+    return req
+
+
+def sampling_fields(body: dict, defaults: Defaults, top_p: str) -> dict:
+    """temperature, top_p, top_k, seed and stop, validated, with defaults filled in."""
+    return {"temperature": get_number(body, "temperature", 0.0, 2.0, defaults.temperature),
+            "top_p": get_number(body, top_p, 0.0, 1.0, defaults.top_p, lo_open=True),
+            "top_k": get_int(body, "top_k", 0, 1 << 31, defaults.top_k),
+            "seed": get_int(body, "seed", 0, (1 << 63) - 1),
+            "stop": get_stop(body)}
+
+
+def sequences(req: Request, tokenizer, max_seq_len: int, limits: Limits,
+              defaults: Defaults) -> list[tuple[list[int], SamplingParams]]:
+    """Each input's prompt tokens and sampling settings, checked against the context."""
+    out = []
+    param = "messages" if req.api == "chat" else ("dialog" if req.chat else "prompt")
+    prompt_limit = min(limits.max_prompt_tokens or max_seq_len - 1, max_seq_len - 1)
+    for i, item in enumerate(req.inputs):
+        tokens = generate.encode_dialog(tokenizer, item) if req.chat else tokenizer.encode(item, bos=True, eos=False)
+        where = param if len(req.inputs) == 1 or req.chat else f"{param}[{i}]"
+        if len(tokens) > prompt_limit:
+            raise RequestError(f"{where} has {len(tokens)} tokens, the limit is {prompt_limit}", where)
+        room = max_seq_len - len(tokens)
+        n = req.max_new_tokens
+        if n is None:
+            n = min(defaults.max_new_tokens, room, limits.max_new_tokens)
+        elif n > room:
+            raise RequestError(f"{where} has {len(tokens)} tokens and {n} new tokens were asked for; the context "
+                               f"holds {max_seq_len}, so at most {room} new tokens fit", "max_new_tokens")
+        out.append((tokens, SamplingParams(max_gen_len=n, **req.sampling)))
+    return out
+
+
+def native_answer(req: Request, seqs: list[Sequence], tokenizer) -> dict | list:
+    answers = []
+    for seq, item in zip(seqs, req.inputs):
+        if req.chat:
+            generation = {"role": "assistant", "content": seq.text}
+        else:
+            generation = (item if seq.params.echo else "") + seq.text
+        answers.append(generate.prediction(seq, tokenizer, generation))
+    return answers if req.batched else answers[0]
+
+
+def native_chunk(req: Request, index: int, text: str, first: bool) -> dict:
+    """One streamed line with new text (the first one starts with the prompt when echo)."""
+    if first and req.sampling.get("echo"):
+        text = req.inputs[index] + text
+    return ({"index": index} if req.batched else {}) | {"text": text}
+
+
+def native_final_chunk(req: Request, index: int, seq: Sequence, tokenizer) -> dict:
+    """The last streamed line of a sequence: finish_reason and usage (and tokens and
+    logprobs when asked for)."""
+    done = generate.prediction(seq, tokenizer, None)
+    del done["generation"]
+    return ({"index": index} if req.batched else {}) | {"text": ""} | done
+
+
+def error_body(err: RequestError) -> dict:
+    return {"code": err.status, "type": "invalid_request_error" if err.status < 500 else "server_error",
+            "param": err.param, "message": err.message}

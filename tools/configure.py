@@ -1,0 +1,54 @@
+"""Write a model-config.yaml for one deployment, from the repository's, with the choices
+`make serve` takes (TP, CKPT) and the ports the tests pick.
+
+    python tools/configure.py --out build/model-config.yaml --tp 4 --checkpoint /models/llama-2-13b
+"""
+
+import argparse
+import os
+
+import yaml
+
+
+def configure(base: dict, tp: int | None = None, checkpoint: str | None = None, tokenizer: str | None = None,
+              device: str | None = None, rdzv_port: int | None = None, batch_size: int | None = None,
+              handler: dict | None = None) -> dict:
+    config = yaml.safe_load(yaml.safe_dump(base))  # a deep copy
+    if tp:
+        config["torchrun"]["nproc-per-node"] = tp
+    if rdzv_port:  # keeps this server's ranks apart from any other torchrun on the machine
+        config["torchrun"]["rdzv-endpoint"] = f"127.0.0.1:{rdzv_port}"
+    if device:
+        config["deviceType"] = device
+    if batch_size:
+        config["batchSize"] = batch_size
+    if checkpoint:
+        config["handler"]["checkpoint"] = os.path.abspath(checkpoint)
+        config["handler"]["tokenizer"] = os.path.abspath(tokenizer or os.path.join(checkpoint, "tokenizer.model"))
+    for key, value in (handler or {}).items():
+        config["handler"][key] = value
+    return config
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default=os.path.join(os.path.dirname(__file__), "..", "model-config.yaml"))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int)
+    ap.add_argument("--checkpoint", help="a Meta or Hugging Face folder served in place (not copied)")
+    ap.add_argument("--tokenizer")
+    ap.add_argument("--device", choices=["cpu", "gpu", "auto"], default="auto")
+    a = ap.parse_args()
+    device = a.device
+    if device == "auto":
+        import torch
+        device = "gpu" if torch.cuda.is_available() else "cpu"
+    with open(a.base) as f:
+        config = configure(yaml.safe_load(f), a.tp, a.checkpoint, a.tokenizer, device)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        yaml.safe_dump(config, f, sort_keys=False)
+
+
+if __name__ == "__main__":
+    main()
