@@ -34,12 +34,8 @@ build/model-config.yaml: model-config.yaml tools/configure.py .venv/.runtime FOR
 	@cmp -s $@.new $@ && rm $@.new || mv $@.new $@
 FORCE:
 
-model_store/llama.mar: build/model-config.yaml $(MODEL_FILES) $(if $(CKPT),,$(DEMO_FILES))
-	rm -rf build/stage && mkdir -p build/stage model_store
-	$(if $(CKPT),,cp -r demo build/stage/weights)
-	.venv/bin/torch-model-archiver --model-name llama --version 1.0 --handler handler.py \
-	  --extra-files $(shell echo $(filter-out handler.py,$(MODEL_FILES)) | tr ' ' ,),build/stage \
-	  --config-file build/model-config.yaml --export-path model_store --force
+model_store/llama.mar: build/model-config.yaml $(MODEL_FILES) tools/build_mar.py $(if $(CKPT),,$(DEMO_FILES))
+	$(PY) tools/build_mar.py --config build/model-config.yaml --export-path model_store $(if $(CKPT),,--weights demo)
 
 mar: install model_store/llama.mar
 

@@ -171,10 +171,14 @@ class LlamaHandler(BaseHandler):
             if not done:
                 return None
             return json.dumps(api.native_answer(req, job.seqs, self.tokenizer)), 200, JSON, "once"
+        if not job.http and not done:
+            # TorchServe 0.12 drops a gRPC stream after its first message (GRPCJob.isOpen()
+            # returns isCancelled()), so a gRPC stream goes out whole, in one message.
+            return None
         lines = [api.native_chunk(req, i, text, first=not job.started)
                  for i, s in enumerate(job.seqs) if (text := s.new_text()) or not job.started]
-        # The first message of a stream opens it, so the last chunks wait for a later one.
-        last = done and job.started
+        # An HTTP stream's first message opens it, so its last chunks wait for a later one.
+        last = done and (job.started or not job.http)
         if last:
             lines += [api.native_final_chunk(req, i, s, self.tokenizer) for i, s in enumerate(job.seqs)]
         if not lines:

@@ -32,3 +32,29 @@ def build(out_dir, name, layouts=("hf", "meta:1", "meta:2"), **kwargs):
 def checkpoints(tmp_path_factory):
     """{config name: (hf reference model, {layout: folder})}"""
     return {name: build(tmp_path_factory.mktemp(name), name) for name in CONFIGS}
+
+
+DEMO = os.environ.get("TEST_WEIGHTS", os.path.join(ROOT, "demo"))  # the checkpoint the server tests serve
+SERVER_SLOTS = 4
+SERVER_MAX_SEQ_LEN = 512
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """One TorchServe (TP=2 on CPU) for the whole test run, serving DEMO."""
+    from local_server import start_server
+
+    srv = start_server(tmp_path_factory.mktemp("torchserve"), DEMO, tp=2, batch_size=SERVER_SLOTS,
+                       handler={"max_seq_len": SERVER_MAX_SEQ_LEN})
+    srv.initial_pids = srv.worker_pids()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_llama():
+    """DEMO in this process (TP=1): the reference for what the server answers."""
+    from llama2 import tp_llama
+
+    return tp_llama(None, DEMO, os.path.join(DEMO, "tokenizer.model"), 1, max_batch_size=SERVER_SLOTS,
+                    max_seq_len=SERVER_MAX_SEQ_LEN)

@@ -1,0 +1,43 @@
+"""Package the handler, its modules and (optionally) a checkpoint into llama.mar.
+
+    python tools/build_mar.py --config build/model-config.yaml --weights demo --export-path model_store
+A checkpoint given with --weights is copied into the archive as weights/; without it, the
+config's handler.checkpoint must be an absolute path (a large checkpoint served in place).
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODULES = ["llama2.py", "generate.py", "checkpoint.py", "tokenizer.py", "api.py"]
+
+
+def build_mar(config: str, export_path: str, weights: str | None = None, name: str = "llama") -> str:
+    os.makedirs(export_path, exist_ok=True)
+    with tempfile.TemporaryDirectory() as stage:
+        extra = [os.path.join(ROOT, m) for m in MODULES]
+        if weights:  # a folder's contents land in the archive's root: stage it as weights/
+            shutil.copytree(weights, os.path.join(stage, "weights"))
+            extra.append(stage)
+        archiver = os.path.join(os.path.dirname(sys.executable), "torch-model-archiver")
+        subprocess.run([archiver, "--model-name", name, "--version", "1.0",
+                        "--handler", os.path.join(ROOT, "handler.py"), "--extra-files", ",".join(extra),
+                        "--config-file", config, "--export-path", export_path, "--force"], check=True)
+    return os.path.join(export_path, f"{name}.mar")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--export-path", required=True)
+    ap.add_argument("--weights")
+    a = ap.parse_args()
+    print(build_mar(a.config, a.export_path, a.weights))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""A private TorchServe for tests and benchmarks: its own ports (free ones, so that it never meets a
+running `make serve`), its own pid file and key file, the repository's configs otherwise."""
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+import psutil
+import requests
+import yaml
+
+import build_mar
+import configure
+import wait_ready
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_range(n: int) -> int:
+    """A base port b with b..b+n-1 free, for the ranks' worker sockets."""
+    for _ in range(100):
+        base = free_port()
+        if base + n < 65535 and all(port_free(base + i) and not os.path.exists(f"/tmp/.ts.sock.{base + i}")
+                                    for i in range(n)):
+            return base
+    raise RuntimeError("no free port range")
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+class Server:
+    def __init__(self, workdir: str, weights: str, tp: int = 2, batch_size: int = 4, handler: dict | None = None,
+                 model_config: dict | None = None):
+        self.workdir = workdir
+        self.tmp = os.path.join(workdir, "tmp")  # TorchServe's pid file goes to $TMPDIR
+        os.makedirs(self.tmp, exist_ok=True)
+        self.ports = {k: free_port() for k in ("inference", "management", "metrics", "grpc", "grpc_management")}
+        self.worker_port = free_port_range(tp + 1)
+        with open(os.path.join(ROOT, "model-config.yaml")) as f:
+            config = configure.configure(yaml.safe_load(f), tp=tp, device="cpu", rdzv_port=free_port(),
+                                         batch_size=batch_size, handler=handler)
+        config.update(model_config or {})
+        self.config = config
+        config_path = os.path.join(workdir, "model-config.yaml")
+        with open(config_path, "w") as f:
+            yaml.safe_dump(config, f)
+        self.model_store = os.path.join(workdir, "model_store")
+        build_mar.build_mar(config_path, self.model_store, weights)
+        self.url = f"http://127.0.0.1:{self.ports['inference']}"
+        self.grpc_target = f"127.0.0.1:{self.ports['grpc']}"
+        self.metrics_url = f"http://127.0.0.1:{self.ports['metrics']}/metrics"
+        self.write_properties()
+
+    def write_properties(self):
+        with open(os.path.join(ROOT, "config.properties")) as f:
+            text = f.read()
+        p = self.ports
+        for key, value in {"inference_address": f"http://127.0.0.1:{p['inference']}",
+                           "management_address": f"http://127.0.0.1:{p['management']}",
+                           "metrics_address": f"http://127.0.0.1:{p['metrics']}",
+                           "grpc_inference_port": p["grpc"], "grpc_management_port": p["grpc_management"]}.items():
+            text, n = re.subn(rf"^{key}=.*$", f"{key}={value}", text, flags=re.M)
+            assert n == 1, key
+        text += f"initial_worker_port={self.worker_port}\ninitial_distribution_port={self.worker_port}\n"
+        with open(os.path.join(self.workdir, "config.properties"), "w") as f:
+            f.write(text)
+
+    @property
+    def env(self) -> dict:
+        return dict(os.environ, TMPDIR=self.tmp, PATH=BIN + os.pathsep + os.environ["PATH"])
+
+    def start(self, timeout: float = 300):
+        with open(os.path.join(self.workdir, "torchserve.out"), "w") as out:
+            subprocess.run([os.path.join(BIN, "torchserve"), "--start", "--ncs", "--ts-config", "config.properties",
+                            "--model-store", self.model_store, "--models", "llama=llama.mar"],
+                           cwd=self.workdir, env=self.env, stdout=out, stderr=subprocess.STDOUT, check=True)
+        self.key = wait_ready.wait(self.url, os.path.join(self.workdir, "key_file.json"), timeout)
+        return self
+
+    def stop(self):
+        java = self.frontend()
+        subprocess.run([os.path.join(BIN, "torchserve"), "--stop"], cwd=self.workdir, env=self.env,
+                       capture_output=True)
+        procs = ([java] + java.children(recursive=True)) if java else []
+        _, alive = psutil.wait_procs(procs, timeout=30)
+        for p in alive:
+            p.kill()
+
+    def frontend(self) -> psutil.Process | None:
+        pid_file = os.path.join(self.tmp, ".model_server.pid")
+        try:
+            with open(pid_file) as f:
+                return psutil.Process(int(f.read()))
+        except (OSError, ValueError, psutil.Error):
+            return None
+
+    def worker_pids(self) -> set[int]:
+        """The pids of the rank processes (model_service_worker.py) of this server."""
+        java = self.frontend()
+        return {p.pid for p in java.children(recursive=True)
+                if any("model_service_worker.py" in part for part in p.cmdline())
+                and not any("torchrun" in part for part in p.cmdline())} if java else set()
+
+    def log(self, name: str = "model_log.log") -> str:
+        with open(os.path.join(self.workdir, "logs", name), errors="replace") as f:
+            return f.read()
+
+    # --- requests ---------------------------------------------------------------------
+
+    def headers(self, key: str | None = "default") -> dict:
+        key = self.key if key == "default" else key
+        return {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+
+    def post(self, body, path: str = "", stream: bool = False, key="default", headers: dict | None = None,
+             **kwargs) -> requests.Response:
+        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return requests.post(f"{self.url}/predictions/llama{path}", data=data,
+                             headers=self.headers(key) | (headers or {}), stream=stream, timeout=120, **kwargs)
+
+    def generate(self, body) -> dict:
+        r = self.post(body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def stream(self, body) -> list[dict]:
+        """The JSON lines of a streamed answer, as they arrive."""
+        r = self.post(body | {"stream": True}, stream=True)
+        assert r.status_code == 200, r.text
+        return [json.loads(line) for line in r.iter_lines() if line]
+
+
+def start_server(workdir, weights, **kwargs) -> Server:
+    server = Server(str(workdir), weights, **kwargs)
+    try:
+        return server.start()
+    except BaseException:
+        print(open(os.path.join(server.workdir, "torchserve.out")).read()[-3000:])
+        if os.path.exists(os.path.join(server.workdir, "logs")):
+            print(server.log()[-5000:])
+        server.stop()
+        shutil.rmtree(server.tmp, ignore_errors=True)
+        raise
