@@ -4,7 +4,7 @@ PY := .venv/bin/python
 TP ?= 2
 CKPT ?=
 TOKENIZER ?=
-MODEL_FILES := handler.py llama2.py generate.py checkpoint.py tokenizer.py api.py
+MODEL_FILES := $(wildcard *.py)
 DEMO_FILES := demo/params.json demo/consolidated.00.pth demo/tokenizer.model
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 

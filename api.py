@@ -61,10 +61,12 @@ class Job:
     request: Request
     http: bool  # HTTP (not gRPC): a one-message answer must not carry the stream header
     prompts: list[tuple[list[int], SamplingParams]]
+    meta: dict  # id, created and model, for OpenAI's answers
     seqs: list[Sequence] = field(default_factory=list)
     error: RequestError | None = None
     started: bool = False  # a streamed chunk went out
     arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
 
 
 def read_body(raw, limits: Limits):
@@ -229,7 +231,12 @@ def sequences(req: Request, tokenizer, max_seq_len: int, limits: Limits,
     return out
 
 
-def native_answer(req: Request, seqs: list[Sequence], tokenizer) -> dict | list:
+# --- native answers: the same functions as openai_api's, for the handler ---------------
+
+STREAM_TYPE = "application/jsonl"  # one JSON object per line
+
+
+def answer(req: Request, seqs: list[Sequence], tokenizer, meta: dict) -> dict | list:
     answers = []
     for seq, item in zip(seqs, req.inputs):
         if req.chat:
@@ -240,21 +247,24 @@ def native_answer(req: Request, seqs: list[Sequence], tokenizer) -> dict | list:
     return answers if req.batched else answers[0]
 
 
-def native_chunk(req: Request, index: int, text: str, first: bool) -> dict:
+def chunk(req: Request, meta: dict, index: int, text: str, first: bool) -> str:
     """One streamed line with new text (the first one starts with the prompt when echo)."""
     if first and req.sampling.get("echo"):
         text = req.inputs[index] + text
-    return ({"index": index} if req.batched else {}) | {"text": text}
+    return json.dumps(({"index": index} if req.batched else {}) | {"text": text}) + "\n"
 
 
-def native_final_chunk(req: Request, index: int, seq: Sequence, tokenizer) -> dict:
-    """The last streamed line of a sequence: finish_reason and usage (and tokens and
-    logprobs when asked for)."""
-    done = generate.prediction(seq, tokenizer, None)
-    del done["generation"]
-    return ({"index": index} if req.batched else {}) | {"text": ""} | done
+def last_chunks(req: Request, seqs: list[Sequence], meta: dict, tokenizer) -> str:
+    """Each sequence's last line: finish_reason and usage (and tokens and logprobs when
+    asked for)."""
+    lines = []
+    for i, seq in enumerate(seqs):
+        done = generate.prediction(seq, tokenizer, None)
+        del done["generation"]
+        lines.append(json.dumps(({"index": i} if req.batched else {}) | {"text": ""} | done) + "\n")
+    return "".join(lines)
 
 
-def error_body(err: RequestError) -> dict:
+def error(err: RequestError) -> dict:
     return {"code": err.status, "type": "invalid_request_error" if err.status < 500 else "server_error",
             "param": err.param, "message": err.message}

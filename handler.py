@@ -16,9 +16,11 @@ import time
 from collections import deque
 
 import torch
+from ts.metrics.metric_type_enum import MetricTypes
 from ts.torch_handler.base_handler import BaseHandler
 
 import api
+import openai_api
 from api import Defaults, Job, Limits, RequestError
 from generate import Engine
 from llama2 import tp_llama
@@ -26,6 +28,9 @@ from llama2 import tp_llama
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# url_path (what follows /predictions/<model>/<version>/) -> API
+ROUTES = {"": "native", "v1/completions": "completions", "v1/chat/completions": "chat", "v1/models": "models"}
+JSON = "application/json"
 
 
 class LlamaHandler(BaseHandler):
@@ -38,7 +43,7 @@ class LlamaHandler(BaseHandler):
         model_dir = ctx.system_properties["model_dir"]
         checkpoint = os.path.join(model_dir, settings.pop("checkpoint", "checkpoint"))
         tokenizer = os.path.join(model_dir, settings.pop("tokenizer", os.path.join(checkpoint, "tokenizer.model")))
-        max_seq_len = int(settings.pop("max_seq_len", 2048))
+        self.max_seq_len = int(settings.pop("max_seq_len", 2048))
         dtype = settings.pop("dtype", "auto")
         self.limits = api.dataclass_from(Limits, settings.pop("limits", None), "handler.limits")
         self.defaults = api.dataclass_from(Defaults, settings.pop("defaults", None), "handler.defaults")
@@ -50,14 +55,15 @@ class LlamaHandler(BaseHandler):
         slots = int(ctx.system_properties.get("batch_size") or 1)  # batchSize: one KV-cache row each
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         start = time.perf_counter()
-        self.llama = tp_llama(None, checkpoint, tokenizer, world_size, dtype=DTYPES.get(dtype),
-                              max_batch_size=slots, max_seq_len=max_seq_len)
+        llama = tp_llama(None, checkpoint, tokenizer, world_size, dtype=DTYPES.get(dtype),
+                         max_batch_size=slots, max_seq_len=self.max_seq_len)
         logger.info("loaded %s on %d rank(s) in %.1f s: %s", checkpoint, world_size,
-                    time.perf_counter() - start, self.llama.model.params)
-        self.tokenizer = self.llama.tokenizer
-        self.engine = Engine(self.llama.model, self.tokenizer)
-        self.max_seq_len = max_seq_len
+                    time.perf_counter() - start, llama.model.params)
+        self.tokenizer = llama.tokenizer
+        self.engine = Engine(llama.model, self.tokenizer)
         self.limits.max_prompts = min(self.limits.max_prompts, slots)
+        self.rank0 = int(os.environ.get("RANK", "0")) == 0
+        self.created = int(time.time())
         self.jobs: dict[str, Job] = {}  # by TorchServe request id
         self.waiting: deque[str] = deque()  # admitted first come, first served
         self.initialized = True
@@ -66,25 +72,32 @@ class LlamaHandler(BaseHandler):
 
     def preprocess(self, data):
         """Forget requests TorchServe no longer sends (their client went away) and read the
-        new ones. Returns the errors to answer now, by batch index."""
+        new ones. Returns the messages to send now (errors, the model list), by batch index."""
         ids = self.context.request_ids
         for req_id in set(self.jobs) - set(ids.values()):
             self.forget(req_id)
-        errors = {}
+        immediate = {}
         for idx, req_id in ids.items():
             if req_id in self.jobs:
                 continue
+            path = self.context.get_request_header(idx, "url_path") or ""
+            route = ROUTES.get(path)
+            fmt = openai_api if path.startswith("v1") else api
             try:
-                self.jobs[req_id] = self.new_job(idx, data[idx])
+                if route == "models":
+                    immediate[idx] = json.dumps(openai_api.models(self.context.model_name, self.created)), 200, \
+                        JSON, "once"
+                    continue
+                self.jobs[req_id] = self.new_job(idx, req_id, route, data[idx])
                 self.waiting.append(req_id)
             except RequestError as e:
-                errors[idx] = e
+                immediate[idx] = error_message(fmt, e)
             except Exception as e:  # a bug must cost one request, never the worker
                 logger.exception("cannot read request %s", req_id)
-                errors[idx] = RequestError(f"internal error: {e}", None, status=500)
-        return errors
+                immediate[idx] = error_message(fmt, RequestError(f"internal error: {e}", None, status=500))
+        return immediate
 
-    def inference(self, errors):
+    def inference(self, immediate):
         """Give every running sequence one token, then admit waiting requests in order
         while KV-cache slots are free."""
         try:
@@ -101,20 +114,21 @@ class LlamaHandler(BaseHandler):
             self.waiting.popleft()
             try:
                 job.seqs = [self.engine.add(tokens, params) for tokens, params in job.prompts]
+                job.first_token = time.perf_counter()
             except Exception as e:
                 logger.exception("prefill failed")
                 job.error = RequestError(f"internal error: {e}", None, status=500)
-        return errors
+        return immediate
 
-    def postprocess(self, errors):
+    def postprocess(self, immediate):
         """The message of each request that has one; the others are left out (TorchServe
         keeps them for the next iteration)."""
         ids = self.context.request_ids
         out = [""] * len(ids)
-        stream_next = [None] * len(out)
+        stream_next = [None] * len(ids)
         for idx, req_id in list(ids.items()):
-            if idx in errors:
-                http, message = self.is_http(idx), error_message(errors[idx])
+            if idx in immediate:
+                http, message = self.is_http(idx), immediate[idx]
             else:
                 job = self.jobs[req_id]
                 http, message = job.http, self.message(job)
@@ -128,21 +142,32 @@ class LlamaHandler(BaseHandler):
             # with more to come, True for the last one. A one-message HTTP answer carries no
             # header; gRPC's stream call needs it on every message.
             stream_next[idx] = {"chunk": False, "last": True, "once": None if http else True}[kind]
-            if kind != "chunk":
+            if kind != "chunk" and req_id in self.jobs:
+                self.record_metrics(self.jobs[req_id])
                 self.forget(req_id)
         self.context.stopping_criteria = [lambda _, flag=flag: flag for flag in stream_next]
         return out
 
     # --- requests ---------------------------------------------------------------------
 
-    def new_job(self, idx: int, data: dict) -> Job:
+    def new_job(self, idx: int, req_id: str, route: str | None, data: dict) -> Job:
+        if route is None:
+            path = self.context.get_request_header(idx, "url_path")
+            raise RequestError(f"no route /{path}; the routes are /, /v1/completions, /v1/chat/completions "
+                               "and /v1/models", "url", status=404)
         if data.get("body") is None and data.get("data") is None:
             raise RequestError("no JSON body found: send one with Content-Type: application/json "
                                "(curl: -H 'Content-Type: application/json')", "body", status=415)
         raw = data.get("body") if data.get("body") is not None else data.get("data")
-        request = api.parse_native(api.read_body(raw, self.limits), self.limits, self.defaults)
+        body = api.read_body(raw, self.limits)
+        if route == "native":
+            request = api.parse_native(body, self.limits, self.defaults)
+        else:
+            request = openai_api.parse(route, body, self.context.model_name, self.limits, self.defaults)
         prompts = api.sequences(request, self.tokenizer, self.max_seq_len, self.limits, self.defaults)
-        return Job(request, self.is_http(idx), prompts)
+        meta = {"id": f"{'chatcmpl' if request.chat else 'cmpl'}-{req_id}", "created": int(time.time()),
+                "model": self.context.model_name}
+        return Job(request, self.is_http(idx), prompts, meta)
 
     def is_http(self, idx: int) -> bool:
         return any(k.lower() in ("url_path", "host") for k in self.context.get_all_request_header(idx))
@@ -160,35 +185,54 @@ class LlamaHandler(BaseHandler):
     def message(self, job: Job):
         """(body, status, content type, kind) for this iteration, or None; kind is "once"
         (the whole answer), "chunk" (more to come) or "last"."""
+        req = job.request
+        fmt = api if req.api == "native" else openai_api
         if job.error is not None:
-            if job.started:
-                return json.dumps(api.error_body(job.error)) + "\n", 200, JSONL, "last"
-            return error_message(job.error)
+            if not job.started:
+                return error_message(fmt, job.error)
+            tail = "" if fmt is api else "data: [DONE]\n\n"
+            return stream_line(fmt, fmt.error(job.error)) + tail, 200, fmt.STREAM_TYPE, "last"
         if not job.seqs:
             return None  # waiting for KV-cache slots
-        req, done = job.request, all(s.done for s in job.seqs)
+        done = all(s.done for s in job.seqs)
         if not req.stream:
             if not done:
                 return None
-            return json.dumps(api.native_answer(req, job.seqs, self.tokenizer)), 200, JSON, "once"
+            return json.dumps(fmt.answer(req, job.seqs, self.tokenizer, job.meta)), 200, JSON, "once"
         if not job.http and not done:
             # TorchServe 0.12 drops a gRPC stream after its first message (GRPCJob.isOpen()
             # returns isCancelled()), so a gRPC stream goes out whole, in one message.
             return None
-        lines = [api.native_chunk(req, i, text, first=not job.started)
-                 for i, s in enumerate(job.seqs) if (text := s.new_text()) or not job.started]
+        pieces = [fmt.chunk(req, job.meta, i, text, first=not job.started)
+                  for i, s in enumerate(job.seqs) if (text := s.new_text()) or not job.started]
         # An HTTP stream's first message opens it, so its last chunks wait for a later one.
         last = done and (job.started or not job.http)
         if last:
-            lines += [api.native_final_chunk(req, i, s, self.tokenizer) for i, s in enumerate(job.seqs)]
-        if not lines:
+            pieces.append(fmt.last_chunks(req, job.seqs, job.meta, self.tokenizer))
+        if not pieces:
             return None
         job.started = True
-        return "".join(json.dumps(line) + "\n" for line in lines), 200, JSONL, "last" if last else "chunk"
+        return "".join(pieces), 200, fmt.STREAM_TYPE, "last" if last else "chunk"
+
+    def record_metrics(self, job: Job):
+        """Token counts and latencies of a finished request, as TorchServe custom metrics
+        (rank 0 only: every rank's metrics reach the frontend)."""
+        if not self.rank0 or not job.seqs or job.first_token is None:
+            return
+        metrics = self.context.metrics
+        completion = max(len(s.tokens) for s in job.seqs)
+        metrics.add_counter("PromptTokens", sum(len(s.prompt_tokens) for s in job.seqs))
+        metrics.add_counter("CompletionTokens", sum(len(s.tokens) for s in job.seqs))
+        metrics.add_metric("TimeToFirstToken", (job.first_token - job.arrival) * 1000, "ms",
+                           metric_type=MetricTypes.HISTOGRAM)
+        if completion > 1:
+            per_token = (time.perf_counter() - job.first_token) * 1000 / (completion - 1)
+            metrics.add_metric("TimePerOutputToken", per_token, "ms", metric_type=MetricTypes.HISTOGRAM)
 
 
-JSON, JSONL = "application/json", "application/jsonl"
+def stream_line(fmt, obj) -> str:
+    return openai_api.sse(obj) if fmt is openai_api else json.dumps(obj) + "\n"
 
 
-def error_message(err: RequestError):
-    return json.dumps(api.error_body(err)), err.status, JSON, "once"
+def error_message(fmt, err: RequestError):
+    return json.dumps(fmt.error(err)), err.status, JSON, "once"

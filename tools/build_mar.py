@@ -1,4 +1,4 @@
-"""Package the handler, its modules and (optionally) a checkpoint into llama.mar.
+"""Package the handler, the modules beside it and (optionally) a checkpoint into llama.mar.
 
     python tools/build_mar.py --config build/model-config.yaml --weights demo --export-path model_store
 A checkpoint given with --weights is copied into the archive as weights/; without it, the
@@ -6,6 +6,7 @@ config's handler.checkpoint must be an absolute path (a large checkpoint served 
 """
 
 import argparse
+import glob
 import os
 import shutil
 import subprocess
@@ -13,13 +14,12 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODULES = ["llama2.py", "generate.py", "checkpoint.py", "tokenizer.py", "api.py"]
 
 
 def build_mar(config: str, export_path: str, weights: str | None = None, name: str = "llama") -> str:
     os.makedirs(export_path, exist_ok=True)
     with tempfile.TemporaryDirectory() as stage:
-        extra = [os.path.join(ROOT, m) for m in MODULES]
+        extra = [p for p in sorted(glob.glob(os.path.join(ROOT, "*.py"))) if not p.endswith("handler.py")]
         if weights:  # a folder's contents land in the archive's root: stage it as weights/
             shutil.copytree(weights, os.path.join(stage, "weights"))
             extra.append(stage)

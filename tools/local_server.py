@@ -76,7 +76,8 @@ class Server:
         for key, value in {"inference_address": f"http://127.0.0.1:{p['inference']}",
                            "management_address": f"http://127.0.0.1:{p['management']}",
                            "metrics_address": f"http://127.0.0.1:{p['metrics']}",
-                           "grpc_inference_port": p["grpc"], "grpc_management_port": p["grpc_management"]}.items():
+                           "grpc_inference_port": p["grpc"], "grpc_management_port": p["grpc_management"],
+                           "metrics_config": os.path.join(ROOT, "metrics.yaml")}.items():
             text, n = re.subn(rf"^{key}=.*$", f"{key}={value}", text, flags=re.M)
             assert n == 1, key
         text += f"initial_worker_port={self.worker_port}\ninitial_distribution_port={self.worker_port}\n"

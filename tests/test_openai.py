@@ -1,0 +1,134 @@
+"""The OpenAI-compatible routes, driven by the official openai client, and the generation
+metrics on TorchServe's Prometheus endpoint."""
+
+import re
+
+import openai
+import pytest
+import requests
+
+PROMPT = "The secret of a happy life is"
+MESSAGES = [{"role": "system", "content": "You are a cheerful assistant."},
+            {"role": "user", "content": "What should I do on a rainy day?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/predictions/llama/1.0/v1", api_key=server.key, max_retries=0)
+
+
+def test_completions_equal_native(server, client):
+    native = server.generate({"prompt": [PROMPT, "Once upon a time"], "temperature": 0, "max_new_tokens": 20})
+    result = client.completions.create(model="llama", prompt=[PROMPT, "Once upon a time"], max_tokens=20,
+                                       temperature=0)
+    assert [c.text for c in result.choices] == [n["generation"] for n in native]
+    assert [c.finish_reason for c in result.choices] == [n["finish_reason"] for n in native]
+    assert [c.index for c in result.choices] == [0, 1]
+    assert result.object == "text_completion" and result.model == "llama" and result.id.startswith("cmpl-")
+    assert result.usage.prompt_tokens == sum(n["usage"]["prompt_tokens"] for n in native)
+    assert result.usage.completion_tokens == sum(n["usage"]["completion_tokens"] for n in native)
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+
+
+def test_chat_equals_native(server, client):
+    native = server.generate({"dialog": MESSAGES, "temperature": 0, "max_new_tokens": 20})
+    result = client.chat.completions.create(model="llama", messages=MESSAGES, max_tokens=20, temperature=0)
+    choice = result.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == native["generation"]["content"]
+    assert choice.finish_reason == native["finish_reason"]
+    assert result.object == "chat.completion" and result.id.startswith("chatcmpl-")
+    assert result.usage.completion_tokens == native["usage"]["completion_tokens"]
+
+
+def test_completion_streaming(server, client):
+    native = server.generate({"prompt": PROMPT, "temperature": 0, "max_new_tokens": 20})
+    chunks = list(client.completions.create(model="llama", prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert len(chunks) > 2
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == native["generation"]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [native["finish_reason"]]
+    assert chunks[-1].usage.completion_tokens == native["usage"]["completion_tokens"]
+
+
+def test_chat_streaming(server, client):
+    native = server.generate({"dialog": MESSAGES, "temperature": 0, "max_new_tokens": 20})
+    chunks = list(client.chat.completions.create(model="llama", messages=MESSAGES, max_tokens=20, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == native["generation"]["content"]
+    assert chunks[-1].choices[0].finish_reason == native["finish_reason"]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_options_stop_seed_logprobs(server, client):
+    full = client.completions.create(model="llama", prompt=PROMPT, max_tokens=20, temperature=0).choices[0].text
+    stop = full.split()[2]
+    cut = client.completions.create(model="llama", prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    sampled = [client.completions.create(model="llama", prompt=PROMPT, max_tokens=20, temperature=1.0, seed=5)
+               .choices[0].text for _ in range(2)]
+    assert sampled[0] == sampled[1]
+    scored = client.completions.create(model="llama", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=0,
+                                       echo=True)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text.startswith(PROMPT)
+    assert len(lp.tokens) == len(lp.token_logprobs) == scored.usage.prompt_tokens + scored.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    chat = client.chat.completions.create(model="llama", messages=MESSAGES, max_tokens=5, temperature=0,
+                                          logprobs=True)
+    assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == ["llama"]
+
+
+@pytest.mark.parametrize("kwargs,param,words", [
+    ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages", "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, "messages", "alternate"),
+    ({"messages": MESSAGES, "n": 3}, "n", "n=3 is not supported"),
+    ({"messages": MESSAGES, "max_tokens": -5}, "max_tokens", "max_tokens must be between"),
+    ({"messages": MESSAGES, "temperature": 5}, "temperature", "temperature must be in"),
+    ({"messages": MESSAGES, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+])
+def test_chat_bad_requests(client, kwargs, param, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="llama", **kwargs)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param and words in e.value.body["message"]
+
+
+def test_completion_bad_requests(client):
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model="llama", prompt=PROMPT, logprobs=3)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="llama", prompt=PROMPT, max_tokens=0)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt=PROMPT)
+
+
+def test_unknown_route(server):
+    r = server.post({"prompt": PROMPT}, path="/1.0/v1/embeddings")
+    assert r.status_code == 404 and "no route /v1/embeddings" in r.json()["error"]["message"]
+
+
+def metric(text: str, name: str, suffix: str = "") -> float:
+    m = re.search(rf'^{name}{suffix}{{[^}}]*ModelName="llama"[^}}]*}} ([0-9.eE+-]+)$', text, re.M)
+    assert m, f"{name}{suffix} not in the metrics:\n" + "\n".join(l for l in text.splitlines() if name in l)
+    return float(m.group(1))
+
+
+def test_metrics_count_tokens(server, client):
+    before = requests.get(server.metrics_url, timeout=30).text
+    counts = {n: metric(before, n) if f"{n}{{" in before else 0.0 for n in ("PromptTokens", "CompletionTokens")}
+    ttft_before = metric(before, "TimeToFirstToken", "_count") if "TimeToFirstToken_count" in before else 0.0
+    results = [client.completions.create(model="llama", prompt=p, max_tokens=n, temperature=0)
+               for p, n in ((PROMPT, 7), ("Once upon a time", 11), ("Hello", 3))]
+    after = requests.get(server.metrics_url, timeout=30).text
+    assert metric(after, "PromptTokens") - counts["PromptTokens"] == sum(r.usage.prompt_tokens for r in results)
+    assert metric(after, "CompletionTokens") - counts["CompletionTokens"] == \
+        sum(r.usage.completion_tokens for r in results)
+    assert metric(after, "TimeToFirstToken", "_count") - ttft_before == 3
+    assert metric(after, "TimePerOutputToken", "_sum") > 0
