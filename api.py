@@ -67,6 +67,7 @@ class Job:
     started: bool = False  # a streamed chunk went out
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
+    admitted: int = 0  # its place in the order of admission
 
 
 def read_body(raw, limits: Limits):

@@ -9,6 +9,7 @@ them and sends them again. torchrun starts one worker per rank; every rank recei
 same requests in the same order and does the same work, and only rank 0's answers go out.
 """
 
+import hashlib
 import json
 import logging
 import os
@@ -66,6 +67,7 @@ class LlamaHandler(BaseHandler):
         self.created = int(time.time())
         self.jobs: dict[str, Job] = {}  # by TorchServe request id
         self.waiting: deque[str] = deque()  # admitted first come, first served
+        self.admissions = 0
         self.initialized = True
 
     # --- one iteration: preprocess -> inference -> postprocess (BaseHandler.handle) -------
@@ -112,6 +114,8 @@ class LlamaHandler(BaseHandler):
             if len(job.prompts) > len(self.engine.free_slots):
                 break
             self.waiting.popleft()
+            self.admissions += 1
+            job.admitted = self.admissions
             try:
                 job.seqs = [self.engine.add(tokens, params) for tokens, params in job.prompts]
                 job.first_token = time.perf_counter()
@@ -146,6 +150,10 @@ class LlamaHandler(BaseHandler):
                 self.record_metrics(self.jobs[req_id])
                 self.forget(req_id)
         self.context.stopping_criteria = [lambda _, flag=flag: flag for flag in stream_next]
+        if self.rank0:
+            metrics = self.context.metrics
+            metrics.add_metric("KVSlotsInUse", len(self.engine.sequences), "count", metric_type=MetricTypes.GAUGE)
+            metrics.add_metric("RequestsWaiting", len(self.waiting), "count", metric_type=MetricTypes.GAUGE)
         return out
 
     # --- requests ---------------------------------------------------------------------
@@ -181,6 +189,10 @@ class LlamaHandler(BaseHandler):
             self.engine.release(seq)
         if req_id in self.waiting:
             self.waiting.remove(req_id)
+        # every rank logs this line: the tests compare the ranks' admission order and tokens
+        tokens = [s.tokens for s in job.seqs]
+        logger.info("done %s rank=%s admitted=%s slots=%s tokens=%s", req_id, os.environ.get("RANK", "0"),
+                    job.admitted, [s.slot for s in job.seqs], hashlib.sha1(repr(tokens).encode()).hexdigest())
 
     def message(self, job: Job):
         """(body, status, content type, kind) for this iteration, or None; kind is "once"

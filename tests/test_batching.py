@@ -1,0 +1,102 @@
+"""Continuous batching through a real TorchServe (4 KV-cache slots, TP=2): requests of
+every kind share the batch, each gets exactly its own answer, the ranks agree, and no
+slot leaks."""
+
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+CHAT = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+def mixed_requests() -> list[dict]:
+    """16 requests: text and chat, streamed and not, greedy and seeded, unseeded sampling,
+    different lengths."""
+    bodies = []
+    for i in range(16):
+        body = {"prompt": f"Story number {i}: once upon a time"} if i % 3 else {"dialog": CHAT}
+        body["max_new_tokens"] = 5 + 7 * (i % 5)
+        if i % 4 == 0:
+            body |= {"temperature": 0.8, "top_p": 0.9, "seed": 100 + i}
+        elif i % 4 == 1:
+            body |= {"temperature": 0}
+        elif i % 4 == 2:
+            body |= {"temperature": 0, "stream": True}
+        else:
+            body |= {"temperature": 1.0, "top_k": 20}  # unseeded: only its own shape is known
+        bodies.append(body)
+    return bodies
+
+
+def ask(server, body: dict) -> dict:
+    """The answer as one dict, whether it came streamed or whole."""
+    if not body.get("stream"):
+        return server.generate(body)
+    chunks = server.stream(body)
+    text = "".join(c["text"] for c in chunks)
+    last = chunks[-1]
+    return {"generation": {"role": "assistant", "content": text} if "dialog" in body else text,
+            "finish_reason": last["finish_reason"], "usage": last["usage"]}
+
+
+def test_mixed_requests_share_four_slots(server):
+    bodies = mixed_requests()
+    alone = [ask(server, b) for b in bodies]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        together = list(pool.map(lambda b: ask(server, b), bodies))
+    for body, single, batched in zip(bodies, alone, together):
+        assert batched["usage"]["completion_tokens"] <= body["max_new_tokens"]
+        assert isinstance(batched["generation"], dict) == ("dialog" in body)
+        if "seed" in body or body["temperature"] == 0:
+            assert batched == single, body
+    assert slots_in_use(server) == 0
+
+
+def slots_in_use(server) -> float:
+    text = requests.get(server.metrics_url, timeout=30).text
+    m = re.search(r'^KVSlotsInUse\{[^}]*\} ([0-9.]+)$', text, re.M)
+    assert m, "KVSlotsInUse missing from the metrics"
+    return float(m.group(1))
+
+
+def test_ranks_admit_and_decode_alike(server):
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda b: ask(server, b), mixed_requests()[:8]))
+    lines = re.findall(r"done (\S+) rank=(\d) (admitted=\d+ slots=\[[\d, ]*\] tokens=\w+)", server.log())
+    by_rank = {"0": {}, "1": {}}
+    for req_id, rank, what in lines:
+        by_rank[rank][req_id] = what
+    assert len(by_rank["0"]) >= 8
+    assert by_rank["0"] == by_rank["1"]
+
+
+def test_disconnect_mid_stream_frees_the_slot(server):
+    r = server.post({"prompt": "A very long story:", "max_new_tokens": 400, "temperature": 0, "stream": True},
+                    stream=True)
+    lines = r.iter_lines()
+    assert json.loads(next(lines))["text"] is not None
+    next(lines)
+    r.close()  # the client goes away mid-stream
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        server.generate({"prompt": "ping", "max_new_tokens": 1})  # an iteration that reports the slots
+        if slots_in_use(server) == 0:
+            break
+        time.sleep(0.5)
+    assert slots_in_use(server) == 0
+    request_id = r.headers["x-request-id"]
+    assert re.search(rf"done {request_id} rank=0 .*", server.log()), "the handler never let the request go"
+
+
+@pytest.mark.parametrize("n_prompts", [4])
+def test_request_with_more_prompts_waits_for_slots(server, n_prompts):
+    bodies = [{"prompt": [f"{k} {i}" for i in range(n_prompts)], "max_new_tokens": 8, "temperature": 0}
+              for k in ("apple", "pear", "plum")]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(server.generate, bodies))
+    assert [len(a) for a in answers] == [n_prompts] * len(bodies)
+    assert answers == [server.generate(b) for b in bodies]
