@@ -71,10 +71,11 @@ class Job:
 
 
 def read_body(raw, limits: Limits):
-    """The JSON value of a request body as TorchServe hands it over (bytes, str, or JSON
-    it decoded already)."""
-    if isinstance(raw, (dict, list)):
-        return raw
+    """The JSON value of a request body as TorchServe hands it over: bytes (the handler turns
+    TorchServe's JSON decoding off, so that the size limit and strict parsing see every
+    body), a str, or a JSON value TorchServe decoded already."""
+    if raw is not None and not isinstance(raw, (str, bytes, bytearray)):
+        return check_text(raw)
     if raw is None or len(raw) == 0:
         raise RequestError("the request body is empty; send a JSON object", "body")
     if len(raw) > limits.max_body_bytes:
@@ -86,9 +87,23 @@ def read_body(raw, limits: Limits):
         except UnicodeDecodeError as e:
             raise RequestError(f"the request body is not valid UTF-8: {e}", "body") from None
     try:
-        return json.loads(raw, parse_constant=reject_constant)
+        value = json.loads(raw, parse_constant=reject_constant)
     except (ValueError, RecursionError) as e:
         raise RequestError(f"the request body is not valid JSON: {e}", "body") from None
+    return check_text(value)
+
+
+def check_text(value, where: str = "the request body", param: str = "body"):
+    """value, unless a string in it holds a lone surrogate (an unpaired \\ud800-\\udfff escape):
+    that is not text, and the tokenizer cannot encode it."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"{where} holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), "
+                           "which is not text", param) from None
+    except RecursionError:
+        raise RequestError(f"{where} is nested too deeply", param) from None
+    return value
 
 
 def reject_constant(name):
@@ -201,9 +216,13 @@ def parse_native(body, limits: Limits, defaults: Defaults) -> Request:
     return req
 
 
+MIN_TEMPERATURE = 1e-5  # below it, greedy: logits / temperature would overflow float32 into NaN
+
+
 def sampling_fields(body: dict, defaults: Defaults, top_p: str) -> dict:
     """temperature, top_p, top_k, seed and stop, validated, with defaults filled in."""
-    return {"temperature": get_number(body, "temperature", 0.0, 2.0, defaults.temperature),
+    temperature = get_number(body, "temperature", 0.0, 2.0, defaults.temperature)
+    return {"temperature": temperature if temperature >= MIN_TEMPERATURE else 0.0,
             "top_p": get_number(body, top_p, 0.0, 1.0, defaults.top_p, lo_open=True),
             "top_k": get_int(body, "top_k", 0, 1 << 31, defaults.top_k),
             "seed": get_int(body, "seed", 0, (1 << 63) - 1),
@@ -217,8 +236,9 @@ def sequences(req: Request, tokenizer, max_seq_len: int, limits: Limits,
     param = "messages" if req.api == "chat" else ("dialog" if req.chat else "prompt")
     prompt_limit = min(limits.max_prompt_tokens or max_seq_len - 1, max_seq_len - 1)
     for i, item in enumerate(req.inputs):
-        tokens = generate.encode_dialog(tokenizer, item) if req.chat else tokenizer.encode(item, bos=True, eos=False)
         where = param if len(req.inputs) == 1 or req.chat else f"{param}[{i}]"
+        check_text(item, where, where)
+        tokens = generate.encode_dialog(tokenizer, item) if req.chat else tokenizer.encode(item, bos=True, eos=False)
         if len(tokens) > prompt_limit:
             raise RequestError(f"{where} has {len(tokens)} tokens, the limit is {prompt_limit}", where)
         room = max_seq_len - len(tokens)

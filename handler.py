@@ -17,6 +17,7 @@ import time
 from collections import deque
 
 import torch
+import torch.distributed as dist
 from ts.metrics.metric_type_enum import MetricTypes
 from ts.torch_handler.base_handler import BaseHandler
 
@@ -68,6 +69,9 @@ class LlamaHandler(BaseHandler):
         self.jobs: dict[str, Job] = {}  # by TorchServe request id
         self.waiting: deque[str] = deque()  # admitted first come, first served
         self.admissions = 0
+        # Bodies reach the handler as bytes, not as JSON TorchServe decoded leniently (NaN,
+        # scalars): read_body checks every one against limits.max_body_bytes and parses it strictly.
+        os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
         self.initialized = True
 
     # --- one iteration: preprocess -> inference -> postprocess (BaseHandler.handle) -------
@@ -106,6 +110,7 @@ class LlamaHandler(BaseHandler):
             self.engine.step()
         except Exception as e:
             logger.exception("decode step failed")
+            self.exit_if_a_rank_is_gone()
             for job in self.jobs.values():
                 if any(not s.done for s in job.seqs):
                     job.error = RequestError(f"internal error: {e}", None, status=500)
@@ -116,13 +121,32 @@ class LlamaHandler(BaseHandler):
             self.waiting.popleft()
             self.admissions += 1
             job.admitted = self.admissions
+            before = set(self.engine.sequences)
             try:
                 job.seqs = [self.engine.add(tokens, params) for tokens, params in job.prompts]
                 job.first_token = time.perf_counter()
             except Exception as e:
                 logger.exception("prefill failed")
+                self.exit_if_a_rank_is_gone()
                 job.error = RequestError(f"internal error: {e}", None, status=500)
+                for slot in set(self.engine.sequences) - before:  # the slots this request took
+                    self.engine.release(self.engine.sequences[slot])
         return immediate
+
+    def exit_if_a_rank_is_gone(self):
+        """After a failed step: if the ranks can no longer reach each other (one died), this
+        worker will never decode again. Exit before answering: TorchServe then fails the
+        requests in flight ("Worker died.") and restarts the worker. A worker that answers
+        first goes back to TorchServe for more, and TorchServe 0.12 loses a request it takes
+        from its queue just as the worker stops: that request is never answered."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        try:
+            dist.all_reduce(torch.zeros(1, device=self.engine.device))  # every rank failed alike: fine
+        except Exception:
+            logger.critical("the tensor-parallel ranks cannot reach each other; exiting so that TorchServe "
+                            "restarts the worker", exc_info=True)
+            os._exit(1)
 
     def postprocess(self, immediate):
         """The message of each request that has one; the others are left out (TorchServe
