@@ -1,0 +1,319 @@
+"""Property-based fuzzing of request parsing and validation, in this process: whatever bytes
+or JSON value come in, api.read_body, api.parse_native, openai_api.parse and api.sequences
+(with the demo tokenizer) give either a valid request whose prompts fit the context and the
+limits, or an api.RequestError with a 4xx status; never any other exception."""
+
+import json
+from collections import deque
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import api
+import generate
+import openai_api
+from api import Defaults, Limits, RequestError
+from conftest import TOKENIZER
+from tokenizer import Tokenizer
+
+FUZZ = settings(max_examples=250, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+# (limits, max_seq_len): the defaults of model-config.yaml, and small ones that long inputs cross
+CONTEXTS = [(Limits(), 512),
+            (Limits(max_new_tokens=16, max_prompt_tokens=24, max_prompts=3, max_messages=5, max_body_bytes=2048), 48)]
+DEFAULTS = Defaults()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer(TOKENIZER)
+
+
+# --- strategies ----------------------------------------------------------------------------
+
+# text; now and then with lone surrogates (JSON's "\ud800" escapes decode to them) or chat tags
+text = st.one_of(st.text(max_size=30), st.text(st.sampled_from("abc xyz.\n"), max_size=30),
+                 st.lists(st.one_of(st.characters(), st.characters(categories=["Cs"]),
+                                    st.sampled_from(["[INST]", "<<SYS>>", "[/INST]"])), max_size=10).map("".join))
+numbers = st.one_of(st.integers(-10, 1000), st.integers(), st.integers(-(1 << 70), 1 << 70),
+                    st.floats(allow_nan=True, allow_infinity=True), st.just(1e-300), st.just(5e-324))
+scalars = st.one_of(st.none(), st.booleans(), numbers, text)
+json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                            st.dictionaries(text, inner, max_size=4)),
+                           max_leaves=12)
+
+
+def mostly(valid, invalid=json_values):
+    """valid values about two times in three."""
+    return st.one_of(valid, valid, invalid)
+
+
+roles = mostly(st.sampled_from(["system", "user", "assistant"]),
+               st.one_of(st.sampled_from(["robot", "usér", "USER", "", "user\u0000", "ユーザー", "\U0001F600"]),
+                         text, json_values))
+parts = st.lists(mostly(st.fixed_dictionaries({"type": st.just("text"), "text": text})), max_size=3)
+message = mostly(st.fixed_dictionaries({"role": roles, "content": mostly(text, st.one_of(parts, json_values))}))
+# dialogs that follow the rules often enough to reach the tokenizer and the length checks
+good_dialog = st.builds(lambda system, turns: ([{"role": "system", "content": system}] if system else [])
+                        + [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
+                           for i, t in enumerate(turns)],
+                        st.one_of(st.none(), text), st.lists(text, min_size=1, max_size=9).filter(lambda t: len(t) % 2))
+dialogs = mostly(good_dialog, st.one_of(st.lists(message, max_size=8), json_values))
+prompts = mostly(st.one_of(text, st.text(st.sampled_from("abc xyz."), max_size=400),
+                           st.lists(text, min_size=1, max_size=10)))
+counts = mostly(st.integers(1, 40), st.one_of(st.integers(-2, 0), st.integers(0, 1 << 20), numbers, json_values))
+temperatures = mostly(st.one_of(st.floats(0, 2), st.sampled_from([0, 1, 2, 1e-6, 1e-45, 5e-324])),
+                      st.one_of(st.floats(-1e9, -1e-9), st.floats(2.0001, 1e9), numbers, json_values))
+top_ps = mostly(st.floats(1e-9, 1), st.one_of(st.just(0), st.floats(-1, 0), st.floats(1.0001, 10), numbers))
+top_ks = mostly(st.integers(0, 100), st.one_of(st.integers(max_value=-1), numbers, json_values))
+seeds = mostly(st.integers(0, (1 << 63) - 1), st.one_of(st.integers(max_value=-1), st.integers(min_value=1 << 63),
+                                                        numbers, json_values))
+flags = mostly(st.booleans())
+stops = mostly(st.one_of(st.text(min_size=1, max_size=5), st.lists(st.text(min_size=1, max_size=5), max_size=3)),
+               st.one_of(st.just(""), st.lists(text, max_size=20), json_values))
+
+COMMON = {"temperature": temperatures, "top_p": top_ps, "top_k": top_ks, "seed": seeds, "stop": stops,
+          "stream": flags}
+NATIVE = COMMON | {"prompt": prompts, "dialog": dialogs, "messages": dialogs, "max_new_tokens": counts,
+                   "logprobs": flags, "echo": flags}
+OPENAI = COMMON | {"model": mostly(st.just("llama"), st.one_of(text, json_values)), "max_tokens": counts,
+                   "max_completion_tokens": counts,
+                   "logprobs": mostly(st.just(0), st.one_of(st.integers(-1, 6), flags)),
+                   "top_logprobs": mostly(st.just(0), counts), "echo": flags,
+                   "stream_options": mostly(st.fixed_dictionaries({"include_usage": flags}))} \
+    | {name: mostly(st.sampled_from(allowed)) for name, allowed in openai_api.NEUTRAL.items()}
+
+
+def request_bodies(fields: dict, required: list[str]):
+    """Objects with one of the required fields (mostly) and any of the others, plus unknown
+    keys now and then, and arbitrary JSON values."""
+    def build(draw):
+        body = {}
+        if draw(st.integers(0, 9)):  # mostly one of prompt / dialog / messages
+            name = draw(st.sampled_from(required))
+            body[name] = draw(fields[name])
+        for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=5, unique=True)):
+            body[name] = draw(fields[name])
+        if not draw(st.integers(0, 9)):
+            body[draw(text)] = draw(json_values)
+        return body
+    return st.one_of(st.composite(lambda draw: build(draw))(), json_values)
+
+
+native_bodies = request_bodies(NATIVE, ["prompt", "dialog", "messages"])
+completion_bodies = request_bodies(OPENAI | {"prompt": prompts}, ["prompt"])
+chat_bodies = request_bodies(OPENAI | {"messages": dialogs}, ["messages"])
+
+
+def serialized(draw_body):
+    """Bytes of a body: JSON (with NaN and surrogate escapes where the value has them), maybe
+    cut, with a byte spliced in, or wrapped."""
+    return st.tuples(draw_body, st.integers(0, 5), st.integers(0, 1 << 16), st.binary(min_size=1, max_size=3)) \
+        .map(lambda t: mutate(json.dumps(t[0]).encode(), *t[1:]))
+
+
+def mutate(raw: bytes, how: int, at: int, junk: bytes) -> bytes:
+    at = at % (len(raw) + 1)
+    return [raw, raw, raw[:at], raw[:at] + junk + raw[at:], b"[" + raw + b"]", b"\xef\xbb\xbf" + raw][how]
+
+
+# --- checks --------------------------------------------------------------------------------
+
+def refused(e: RequestError):
+    """A refusal must be a 4xx that both APIs can send as JSON."""
+    assert isinstance(e, RequestError)
+    assert 400 <= e.status < 500, (e.status, e.message)
+    assert isinstance(e.message, str) and e.message and (e.param is None or isinstance(e.param, str))
+    for fmt in (api, openai_api):
+        json.dumps(fmt.error(e)).encode("utf-8")
+
+
+def accepted(req: api.Request, prepared, tokenizer, limits: Limits, max_seq_len: int):
+    """What a request that passed must satisfy: what the engine accepts without a check failing."""
+    assert 1 <= len(req.inputs) == len(prepared) <= limits.max_prompts
+    assert req.batched or len(req.inputs) == 1
+    assert isinstance(req.stream, bool) and isinstance(req.include_usage, bool)
+    prompt_limit = min(limits.max_prompt_tokens or max_seq_len - 1, max_seq_len - 1)
+    for item, (tokens, params) in zip(req.inputs, prepared):
+        if req.chat:
+            assert generate.validate_dialog(item) and len(item) <= limits.max_messages
+            assert tokens == generate.encode_dialog(tokenizer, item)
+        else:
+            assert tokens == tokenizer.encode(item, bos=True, eos=False)
+        assert 1 <= len(tokens) <= prompt_limit
+        assert 1 <= params.max_gen_len <= limits.max_new_tokens
+        assert len(tokens) + params.max_gen_len <= max_seq_len
+        assert type(params.temperature) is float and (params.temperature == 0
+                                                       or api.MIN_TEMPERATURE <= params.temperature <= 2)
+        assert type(params.top_p) is float and 0 < params.top_p <= 1
+        assert type(params.top_k) is int and params.top_k >= 0
+        assert params.seed is None or (type(params.seed) is int and 0 <= params.seed < 1 << 63)
+        assert isinstance(params.stop, tuple) and all(isinstance(s, str) and s for s in params.stop)
+        assert type(params.logprobs) is bool and type(params.echo) is bool
+        assert not (req.chat and params.echo)
+
+
+def run(route: str, body, tokenizer, limits: Limits, max_seq_len: int):
+    """The handler's path from a JSON value to prompts; checks whichever way it ends."""
+    try:
+        if route == "native":
+            req = api.parse_native(body, limits, DEFAULTS)
+        else:
+            req = openai_api.parse(route, body, "llama", limits, DEFAULTS)
+        prepared = api.sequences(req, tokenizer, max_seq_len, limits, DEFAULTS)
+    except RequestError as e:
+        refused(e)
+        return None
+    accepted(req, prepared, tokenizer, limits, max_seq_len)
+    return req
+
+
+# --- the properties ------------------------------------------------------------------------
+
+@FUZZ
+@given(raw=st.one_of(st.binary(max_size=64), serialized(native_bodies), serialized(chat_bodies)),
+       context=st.sampled_from(CONTEXTS))
+@example(raw=b"", context=CONTEXTS[0])
+@example(raw=b"[" * 100_000, context=CONTEXTS[0])
+@example(raw=b'{"prompt": "a", "seed": ' + b"9" * 5000 + b"}", context=CONTEXTS[0])
+@example(raw=b'{"prompt": "a\\ud800"}', context=CONTEXTS[0])
+@example(raw=b'{"temperature": NaN}', context=CONTEXTS[0])
+@example(raw=b"\xff\xfe{}", context=CONTEXTS[0])
+@example(raw=b"x" * 3000, context=CONTEXTS[1])
+def test_read_body_any_bytes(raw, context):
+    limits = context[0]
+    try:
+        value = api.read_body(raw, limits)
+    except RequestError as e:
+        refused(e)
+        return
+    assert 0 < len(raw) <= limits.max_body_bytes
+    assert value == json.loads(raw.decode("utf-8"))
+    json.dumps(value, ensure_ascii=False).encode("utf-8")  # text through and through
+
+
+@FUZZ
+@given(value=json_values, context=st.sampled_from(CONTEXTS))
+@example(value=5, context=CONTEXTS[0])
+@example(value=True, context=CONTEXTS[0])
+@example(value={"prompt": "\udfff"}, context=CONTEXTS[0])
+def test_read_body_decoded_values(value, context):
+    """A JSON value TorchServe decoded itself (its TS_DECODE_INPUT_REQUEST on), or a str."""
+    for raw in (value, json.dumps(value)):
+        try:
+            out = api.read_body(raw, context[0])
+        except RequestError as e:
+            refused(e)
+            continue
+        json.dumps(out, ensure_ascii=False).encode("utf-8")
+
+
+@FUZZ
+@given(body=native_bodies, context=st.sampled_from(CONTEXTS))
+@example(body={"prompt": "a\ud800b"}, context=CONTEXTS[0])
+@example(body={"dialog": [{"role": "user", "content": "\udc00"}]}, context=CONTEXTS[0])
+@example(body={"prompt": "a", "temperature": 1e-300}, context=CONTEXTS[0])
+@example(body={"prompt": ["a"] * 4, "max_new_tokens": 16}, context=CONTEXTS[1])
+def test_native_requests(tokenizer, body, context):
+    run("native", body, tokenizer, *context)
+
+
+@FUZZ
+@given(route=st.sampled_from(["completions", "chat"]), data=st.data(), context=st.sampled_from(CONTEXTS))
+def test_openai_requests(tokenizer, route, data, context):
+    body = data.draw(completion_bodies if route == "completions" else chat_bodies)
+    run(route, body, tokenizer, *context)
+
+
+@FUZZ
+@given(route=st.sampled_from(["native", "completions", "chat"]), data=st.data(), context=st.sampled_from(CONTEXTS))
+def test_bytes_to_prompts(tokenizer, route, data, context):
+    """The whole way a body takes in the handler: bytes, JSON, request, prompt tokens."""
+    bodies = {"native": native_bodies, "completions": completion_bodies, "chat": chat_bodies}[route]
+    raw = data.draw(serialized(bodies))
+    try:
+        body = api.read_body(raw, context[0])
+    except RequestError as e:
+        refused(e)
+        return
+    run(route, body, tokenizer, *context)
+
+
+def test_fuzzing_reaches_both_outcomes(tokenizer):
+    """The strategies are worth their time: they produce accepted requests as well as refusals
+    of many kinds, on both APIs."""
+    outcomes = {"native": set(), "completions": set(), "chat": set()}
+
+    @settings(max_examples=300, deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(route=st.sampled_from(sorted(outcomes)), data=st.data())
+    def collect(route, data):
+        body = data.draw({"native": native_bodies, "completions": completion_bodies, "chat": chat_bodies}[route])
+        req = run(route, body, tokenizer, *CONTEXTS[1])
+        if req is not None:
+            outcomes[route].add("accepted")
+            return
+        try:
+            (api.parse_native(body, CONTEXTS[1][0], DEFAULTS) if route == "native"
+             else openai_api.parse(route, body, "llama", CONTEXTS[1][0], DEFAULTS))
+            outcomes[route].add("refused: context")
+        except RequestError as e:
+            outcomes[route].add(f"refused: {e.param}")
+
+    collect()
+    for route, seen in outcomes.items():
+        assert "accepted" in seen, (route, seen)
+        assert len(seen) >= 6, (route, seen)
+
+
+# --- regressions found by fuzzing ----------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-40, 1e-6])
+def test_tiny_temperature_is_greedy(temperature):
+    """logits / 1e-40 overflows float32, and the NaN that sampling met failed the request and
+    left its KV-cache slot taken (every later step failed): such temperatures decode greedily."""
+    req = api.parse_native({"prompt": "a", "temperature": temperature}, Limits(), DEFAULTS)
+    assert req.sampling["temperature"] == 0.0
+    assert api.parse_native({"prompt": "a", "temperature": 1e-4}, Limits(), DEFAULTS).sampling["temperature"] == 1e-4
+
+
+def test_failed_prefill_frees_its_slots(demo_llama, monkeypatch):
+    """An admission that fails (here: sampling raises) fails only its request and gives back the
+    KV-cache slots it took, so the next request decodes normally."""
+    import handler as handler_module
+
+    engine = generate.Engine(demo_llama.model, demo_llama.tokenizer)
+    h = handler_module.LlamaHandler()
+    h.engine, h.tokenizer, h.jobs, h.waiting, h.admissions = engine, demo_llama.tokenizer, {}, deque(), 0
+    slots = list(engine.free_slots)
+    limits = Limits()
+
+    def job(body):
+        req = api.parse_native(body, limits, DEFAULTS)
+        return api.Job(req, True, api.sequences(req, demo_llama.tokenizer, engine.max_seq_len, limits, DEFAULTS), {})
+
+    calls = {"n": 0}
+    real_sample = engine._sample
+
+    def failing_sample(logits, seq):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second prompt of the request fails
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return real_sample(logits, seq)
+
+    monkeypatch.setattr(engine, "_sample", failing_sample)
+    h.jobs["bad"] = job({"prompt": ["one", "two", "three"], "temperature": 0.5, "max_new_tokens": 4})
+    h.waiting.append("bad")
+    h.inference({})
+    assert h.jobs["bad"].error is not None and h.jobs["bad"].error.status == 500
+    assert sorted(engine.free_slots) == slots and not engine.sequences
+
+    h.jobs["good"] = job({"prompt": "two", "temperature": 0, "max_new_tokens": 4})
+    h.waiting.append("good")
+    good = h.jobs["good"]
+    while not (good.seqs and all(s.done for s in good.seqs)):
+        h.inference({})
+    expected = generate.text_completion(demo_llama.model, demo_llama.tokenizer, ["two"], 4, temperature=0)[0]
+    assert good.error is None and good.seqs[0].text == expected["generation"]
