@@ -234,6 +234,7 @@ def sequences(req: Request, tokenizer, max_seq_len: int, limits: Limits,
     """Each input's prompt tokens and sampling settings, checked against the context."""
     out = []
     param = "messages" if req.api == "chat" else ("dialog" if req.chat else "prompt")
+    max_param = "max_new_tokens" if req.api == "native" else "max_tokens"
     prompt_limit = min(limits.max_prompt_tokens or max_seq_len - 1, max_seq_len - 1)
     for i, item in enumerate(req.inputs):
         where = param if len(req.inputs) == 1 or req.chat else f"{param}[{i}]"
@@ -247,7 +248,7 @@ def sequences(req: Request, tokenizer, max_seq_len: int, limits: Limits,
             n = min(defaults.max_new_tokens, room, limits.max_new_tokens)
         elif n > room:
             raise RequestError(f"{where} has {len(tokens)} tokens and {n} new tokens were asked for; the context "
-                               f"holds {max_seq_len}, so at most {room} new tokens fit", "max_new_tokens")
+                               f"holds {max_seq_len}, so at most {room} new tokens fit", max_param)
         out.append((tokens, SamplingParams(max_gen_len=n, **req.sampling)))
     return out
 
