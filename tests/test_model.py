@@ -158,7 +158,7 @@ def test_tied_word_embeddings(tmp_path, layout):
 # --- model_args ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("field, value", [("dim", 128), ("n_layers", 3), ("n_heads", 8), ("n_kv_heads", 2),
-                                          ("vocab_size", 4096), ("intermediate_size", 256),
+                                          ("vocab_size", 4099), ("intermediate_size", 256),
                                           ("norm_eps", 1e-6), ("rope_theta", 5e5)])
 @pytest.mark.parametrize("layout", ["hf", "meta:1"])
 def test_model_args_that_disagree_with_the_checkpoint_raise(checkpoints, layout, field, value):

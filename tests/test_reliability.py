@@ -152,8 +152,9 @@ def mutation(route: str, rng: random.Random) -> tuple[str, bytes, str | tuple]:
         return f"{op}:{name}={constant}", raw[:-1] + f', "{name}": {constant}}}'.encode(), "body"
     # context: a prompt that fits, with more new tokens than the context has room for
     body[field] = "word " * 300 if field == "prompt" else [{"role": "user", "content": "word " * 300}]
-    body["max_new_tokens" if route == "native" else "max_tokens"] = 300
-    return f"{op}", json.dumps(body).encode(), "max_new_tokens"  # (the OpenAI routes too)
+    name = "max_new_tokens" if route == "native" else "max_tokens"
+    body[name] = 300
+    return f"{op}", json.dumps(body).encode(), name
 
 
 def hand_written() -> list[tuple]:
