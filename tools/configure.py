@@ -6,6 +6,7 @@
 
 import argparse
 import os
+import warnings
 
 import yaml
 
@@ -41,6 +42,7 @@ def main():
     a = ap.parse_args()
     device = a.device
     if device == "auto":
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch runs without it
         import torch
         device = "gpu" if torch.cuda.is_available() else "cpu"
     with open(a.base) as f:
