@@ -79,15 +79,16 @@ def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0) -> torch.Te
     return torch.polar(torch.ones_like(freqs), freqs)
 
 
+def rotate(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate (batch, seq, heads, head_dim) by Meta's interleaved convention. freqs_cis is
+    (seq, head_dim // 2), or (batch, seq, head_dim // 2) when rows sit at different positions."""
+    x_ = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(x_ * freqs_cis.unsqueeze(-2)).flatten(-2).type_as(x)
+
+
 def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate (batch, seq, heads, head_dim) tensors by Meta's interleaved convention.
-    freqs_cis is (seq, head_dim // 2), or (batch, seq, head_dim // 2) when rows sit at different positions."""
-    freqs_cis = freqs_cis.unsqueeze(-2)  # broadcast over heads
-    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
-    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
-    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(-2)
-    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(-2)
-    return xq_out.type_as(xq), xk_out.type_as(xk)
+    """Meta's signature: queries and keys rotated alike (see rotate)."""
+    return rotate(xq, freqs_cis), rotate(xk, freqs_cis)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -161,12 +162,10 @@ class Attention(nn.Module):
         tensor of each query's position; mask: (batch, 1, seq, kv_len) or None (attend to all);
         row i reads and writes KV-cache row slot + i."""
         bsz, seqlen, _ = x.shape
-        q_size, kv_size = self.n_local_heads * self.head_dim, self.n_local_kv_heads * self.head_dim
-        xq, xk, xv = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        xq = xq.view(bsz, seqlen, self.n_local_heads, self.head_dim)
-        xk = xk.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
-        xv = xv.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        n_q, n_kv = self.n_local_heads, self.n_local_kv_heads
+        qkv = self.wqkv(x).view(bsz, seqlen, n_q + 2 * n_kv, self.head_dim)
+        qk = rotate(qkv[:, :, :n_q + n_kv], freqs_cis)  # query and key heads in one go
+        xq, xk, xv = qk[:, :, :n_q], qk[:, :, n_q:], qkv[:, :, n_q + n_kv:]
 
         cache_k, cache_v = self.cache_k[slot:slot + bsz], self.cache_v[slot:slot + bsz]
         if isinstance(start_pos, int):
@@ -246,6 +245,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(params.dim, params.vocab_size, bias=False)
         self.output_group = None  # set when the vocabulary is split: logits are all-gathered
         self.freqs_cis: torch.Tensor | None = None
+        self.compiled_decode = None  # set by compile_decode
         self.tie_weights()
 
     def tie_weights(self):
@@ -264,6 +264,12 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.setup_cache(p.max_batch_size, p.max_seq_len, weight.dtype, weight.device)
 
+    def compile_decode(self, **options):
+        """torch.compile the decode step (calls with one token per row), which removes most of
+        the per-operation overhead. Shapes are dynamic, so that the growing KV length does not
+        recompile: batch 1, larger batches and per-row positions compile one graph each."""
+        self.compiled_decode = torch.compile(self.run_layers, dynamic=True, **options)
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos, slot: int = 0) -> torch.Tensor:
         """Logits (batch, seq, vocab) for tokens (batch, seq) whose first token sits at
@@ -272,15 +278,16 @@ class Transformer(nn.Module):
         bsz, seqlen = tokens.shape
         if self.freqs_cis is None:
             raise RuntimeError("call setup_caches() before forward()")
-        h = self.tok_embeddings(tokens)
+        dtype = self.tok_embeddings.weight.dtype
+        if not isinstance(start_pos, int) and len(set(start_pos)) == 1:
+            start_pos = start_pos[0]  # all rows at one position: no mask, slice writes to the cache
         if isinstance(start_pos, int):
             self._check_positions(slot + bsz, start_pos + seqlen)
             freqs_cis = self.freqs_cis[start_pos:start_pos + seqlen]
             mask = None
             if seqlen > 1:
                 key_pos = torch.arange(start_pos + seqlen, device=tokens.device)
-                query_pos = key_pos[start_pos:].unsqueeze(1)
-                mask = (key_pos <= query_pos)[None, None]
+                mask = self._additive_mask(key_pos <= key_pos[start_pos:].unsqueeze(1), dtype)[None, None]
         else:
             kv_len = max(start_pos) + seqlen
             self._check_positions(slot + bsz, kv_len)
@@ -288,13 +295,25 @@ class Transformer(nn.Module):
             start_pos = torch.tensor(start_pos, device=tokens.device).unsqueeze(1) + offsets  # (b, s)
             freqs_cis = self.freqs_cis[start_pos]
             key_pos = torch.arange(kv_len, device=tokens.device)
-            mask = (key_pos <= start_pos.unsqueeze(-1)).unsqueeze(1)
+            mask = self._additive_mask(key_pos <= start_pos.unsqueeze(-1), dtype).unsqueeze(1)
+        run = self.compiled_decode if seqlen == 1 and self.compiled_decode else self.run_layers
+        return run(tokens, start_pos, freqs_cis, mask, slot)
+
+    def run_layers(self, tokens: torch.Tensor, start_pos, freqs_cis: torch.Tensor, mask: torch.Tensor | None,
+                   slot: int) -> torch.Tensor:
+        """The model proper, after forward's bookkeeping: what compile_decode compiles."""
+        h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, start_pos, freqs_cis, mask, slot)
         logits = self.output(self.norm(h)).float()
         if self.output_group is not None:
             logits = gather_last_dim(logits, self.output_group)
         return logits
+
+    @staticmethod
+    def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # made once per forward: attention would otherwise convert a boolean mask in every layer
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
     def _check_positions(self, rows: int, end: int):
         p = self.params

@@ -334,3 +334,19 @@ def test_head_ranges_give_each_rank_the_kv_heads_of_its_query_heads(n_heads, n_k
         assert len(q) == n_heads // world_size and len(kv) == max(n_kv_heads // world_size, 1)
         assert sorted({h // group for h in q}) == list(kv)
     assert seen == list(range(n_heads))
+
+
+def test_apply_rotary_emb_rotates_each_pair_by_its_angle():
+    """Meta's interleaved rotary, written out in real numbers: pair (x0, x1) of position t and
+    frequency f becomes (x0 cos a - x1 sin a, x0 sin a + x1 cos a) with a = t * f."""
+    seq, heads, head_dim, theta = 5, 3, 8, 10000.0
+    xq, xk = torch.randn(2, seq, heads, head_dim), torch.randn(2, seq, 1, head_dim)
+    angles = torch.arange(seq)[:, None] * theta ** (-torch.arange(0, head_dim, 2) / head_dim)
+    cos, sin = angles.cos()[None, :, None], angles.sin()[None, :, None]
+
+    def by_hand(x):
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+
+    q, k = llama2.apply_rotary_emb(xq, xk, llama2.precompute_freqs_cis(head_dim, seq, theta))
+    assert max_diff(q, by_hand(xq)) < 1e-5 and max_diff(k, by_hand(xk)) < 1e-5

@@ -69,7 +69,7 @@ def clean(text: str) -> str:
     while n:
         text, n = re.subn(r"[^\x08]\x08", "", text)
     lines, previous = [], 0
-    for raw in text.replace("\b", "").split("\n"):
+    for raw in text.replace("\x08", "").split("\n"):
         line = " ".join(raw.split())
         if line and lines and lines[-1] and previous >= WRAPPED and raw[0] not in " \t<-*":
             lines[-1] += " " + line
@@ -95,7 +95,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, path: str):
 def dialog(rng: random.Random, name: str, text: str) -> list[dict]:
     """A user turn that asks for the fortune, by topic or by its first sentence (or line), and
     the assistant turn that gives it (or the rest of it); sometimes a system message first."""
-    first = re.match(r"(.{15,}?(?:[.!?](?= )|(?=\n)))\s+(\S.*)", text, re.S)  # 15: not at "H. L. Mencken"
+    first = re.match(r"(.{15,}?(?:[.!?](?= )|(?=\n)))\s+(\S.*)", text, re.S)  # 15: not after an initial
     if first and not first[2].startswith("--") and rng.random() < 0.5:  # an attribution is no answer
         turns = [{"role": "user", "content": first[1]}, {"role": "assistant", "content": first[2]}]
     else:
@@ -258,8 +258,8 @@ def main():
 
     print(f"\ntrained {curve[-1][0]} steps in {minutes:.1f} minutes; wrote {a.out} ({size:.1f} MiB)")
     print("loss curve (step: train / held-out):")
-    for i in range(0, len(curve), max(1, len(curve) // 10)):
-        print(f"  {curve[i][0]:5d}: {curve[i][1]:.3f} / {curve[i][2]:.3f}")
+    for step, train_loss, val_loss in curve[::-max(1, len(curve) // 10)][::-1]:  # about 10, the last among them
+        print(f"  {step:5d}: {train_loss:.3f} / {val_loss:.3f}")
     print(f"  final held-out loss in bfloat16: {evaluate(model, val_rows):.3f}")
     check_and_sample(model, a.out, val_rows)
 

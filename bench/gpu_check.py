@@ -1,0 +1,262 @@
+"""The Python parts of bench/gpu_check.sh, one per call so that each gets its own timeout:
+
+    python bench/gpu_check.py parity [--cpu-dry-run]
+    python bench/gpu_check.py speed [--compile] [--cpu-dry-run]
+    python bench/gpu_check.py serve [--cpu-dry-run]
+
+parity  a small random GQA Llama (tools/make_checkpoint.py) loaded by llama2.tp_llama on the GPU,
+        in fp32 and in bf16, against transformers' LlamaForCausalLM in fp32 on the CPU (the
+        reference of the tests): the logits of one forward pass, of prefill + chunk + single-token
+        steps, and of rows at different positions (tests/tp_worker.py's run_model).
+speed   decode tokens/s of a Llama-2-7B-shaped random model in bf16, made on the GPU (no
+        checkpoint file), at batch 1 and 8 (prompt 32, 64 new tokens, greedy), through
+        generate.generate and as raw decode steps, against the HBM roofline (bytes of weights
+        per step / 4.8 TB/s); --compile first runs Transformer.compile_decode() and times that.
+serve   TorchServe on the GPU with TP=1 (tools/local_server.py, deviceType gpu) serving a small
+        checkpoint; one greedy request must equal the same model run in this process.
+
+--cpu-dry-run runs each part on the CPU with small shapes, to check the script itself.
+Every part prints PASS, FAIL or SKIP on its last line and exits 0, 1 or 0.
+"""
+
+import argparse
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for path in (ROOT, os.path.join(ROOT, "tools"), os.path.join(ROOT, "tests"), os.path.join(ROOT, "bench")):
+    sys.path.insert(0, path)
+import generate  # noqa: E402
+import llama2  # noqa: E402
+
+TOKENIZER = os.path.join(ROOT, "demo", "tokenizer.model")
+HBM_BYTES_PER_S = 4.8e12  # H200 datasheet
+PROMPT_LEN, NEW = 32, 64
+# Tolerances, as max |logits - reference| / std(reference logits). fp32: summation order only
+# (TF32 is off). bf16: 8-bit mantissas for weights and activations through 4 layers; on the CPU
+# (oneDNN, --cpu-dry-run) this model's bf16 logits are off by up to 5% of their spread, and a
+# wrong head layout or rotation would put them off by about 100%.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.15}
+
+
+def device_for(dry: bool) -> torch.device:
+    if dry:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        sys.exit("FAIL: no CUDA device (use --cpu-dry-run on a machine without one)")
+    return torch.device("cuda")
+
+
+def small_checkpoint(out: str):
+    """A random GQA Llama in Meta's layout (dim 256, 4 layers, 8 heads, 4 KV heads) and its
+    reference model."""
+    import make_checkpoint
+    from tokenizer import Tokenizer
+
+    hf = make_checkpoint.random_hf_model(256, 4, 8, 4, Tokenizer(TOKENIZER).n_words, seed=0)
+    return hf, make_checkpoint.write_layouts(hf, out, TOKENIZER, ["meta:1"])["meta:1"]
+
+
+# --- parity -----------------------------------------------------------------------------
+
+def parity(dry: bool) -> bool:
+    from tp_worker import expected_rows, fixed_tokens, run_model
+
+    device = device_for(dry)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        hf, folder = small_checkpoint(tmp)
+        tokens = fixed_tokens(hf.config.vocab_size)
+        with torch.no_grad():
+            ref = hf(tokens).logits.float()
+        scale = ref.std().item()
+        for dtype, tol in TOLERANCE.items():
+            model = llama2.tp_llama(None, folder, TOKENIZER, 1, dtype=dtype, max_batch_size=4, max_seq_len=64).model
+            assert model.output.weight.device.type == device.type, model.output.weight.device
+            out = {k: v.float().cpu() for k, v in run_model(model, tokens.to(device)).items()}
+            expected = {"full": ref, "decode": ref, "rows": expected_rows(ref, out["rows"])}
+            for key, exp in expected.items():
+                got, valid = out[key], ~exp[..., 0].isnan()
+                err = (got - exp).abs()[valid].max().item() / scale
+                # the top token must agree wherever the reference's lead over the second is
+                # more than twice the tolerance (bf16 noise can flip nearer ties)
+                top2 = exp[valid].topk(2, dim=-1).values
+                clear = (top2[:, 0] - top2[:, 1]) > 2 * tol * scale
+                agree = got[valid].argmax(-1) == exp[valid].argmax(-1)
+                good = err <= tol and bool(agree[clear].all())
+                ok &= good
+                print(f"{device.type} {str(dtype)[6:]:8} {key:6}: max |Δ| / std = {err:.2e} (tolerance {tol:g}); "
+                      f"top token agrees at {int(agree.sum())}/{len(agree)} positions, at "
+                      f"{int(agree[clear].sum())}/{int(clear.sum())} with a clear lead  {'ok' if good else 'FAIL'}")
+            del model
+    return ok
+
+
+# --- speed ------------------------------------------------------------------------------
+
+class NullTokenizer:
+    """generate.generate needs a tokenizer: no EOS (exactly NEW tokens), nothing to decode."""
+    eos_id = -1
+
+    @staticmethod
+    def decode(tokens):
+        return ""
+
+
+def random_model(args: llama2.ModelArgs, device, dtype) -> llama2.Transformer:
+    """Random weights made where they run: allocated on the device, then filled."""
+    with torch.device("meta"):
+        model = llama2.Transformer(args)
+    model = model.to(dtype).to_empty(device=device)
+    gen = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 0.02, generator=gen)
+    model.eval().requires_grad_(False)
+    model.setup_caches()
+    return model
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device) -> float:
+    """GB/s of a 2 GiB (dry run: 256 MiB) copy on the device, counting bytes read and written."""
+    src = torch.ones(2**29 if device.type == "cuda" else 2**26, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(6):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
+
+
+def speed(dry: bool, compile: bool) -> bool:
+    device = device_for(dry)
+    if dry:
+        args = llama2.ModelArgs(dim=256, n_layers=4, n_heads=8, vocab_size=2048, max_batch_size=8, max_seq_len=128)
+    else:  # Llama-2-7B: 6.7B parameters, 13.5 GB in bf16
+        args = llama2.ModelArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, multiple_of=256,
+                                max_batch_size=8, max_seq_len=128)
+    model = random_model(args, device, torch.bfloat16)
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                       if not n.startswith("tok_embeddings"))
+    print(f"{device}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, "
+          f"{weight_bytes / 1e9:.2f} GB of weights per step; device copy {copy_bandwidth(device):.0f} GB/s")
+    if compile:
+        start = time.perf_counter()
+        model.compile_decode()
+        for batch in (1, 8):  # compiles the graphs the runs below use (one per shape class)
+            generate.generate(model, prompts(batch, args.vocab_size), 4, temperature=0.0, tokenizer=NullTokenizer)
+            step_ms(model, batch, device, steps=2)
+        print(f"compile_decode and the first calls, which compile: {time.perf_counter() - start:.0f} s")
+    label = "compiled" if compile else "eager"
+    for batch in (1, 8):
+        p = prompts(batch, args.vocab_size)
+        run = lambda: generate.generate(model, p, NEW, temperature=0.0, tokenizer=NullTokenizer)  # noqa: E731
+        run()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        tps = batch * NEW / statistics.median(times)
+        step = step_ms(model, batch, device)
+        roof = batch * HBM_BYTES_PER_S / weight_bytes
+        print(f"{label} batch {batch}: generate {tps:,.0f} tokens/s, decode step {step:.2f} ms "
+              f"({batch * 1e3 / step:,.0f} tokens/s); roofline {roof:,.0f} tokens/s: generate at "
+              f"{100 * tps / roof:.0f}%, step at {100 * batch * 1e3 / step / roof:.0f}%")
+    return True
+
+
+def prompts(batch: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(batch)
+    return torch.randint(3, vocab, (batch, PROMPT_LEN), generator=g).tolist()
+
+
+def step_ms(model, batch: int, device, steps: int = NEW) -> float:
+    """Median time of one decode step (one token per row) after a prefill."""
+    model(torch.tensor(prompts(batch, model.vocab_size), device=device), 0)
+    tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    times = []
+    for pos in range(PROMPT_LEN, PROMPT_LEN + steps):
+        sync(device)
+        start = time.perf_counter()
+        model(tokens, pos)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+# --- serve ------------------------------------------------------------------------------
+
+def serve(dry: bool) -> bool | None:
+    import shutil
+
+    import yaml  # noqa: F401  (local_server needs it)
+
+    device = device_for(dry)
+    bin_dir = os.path.dirname(sys.executable)
+    missing = [name for name in ("torchserve", "torch-model-archiver") if not os.path.exists(os.path.join(bin_dir, name))]
+    if missing or not shutil.which("java"):
+        print(f"SKIP: TorchServe needs {', '.join(missing) or 'nothing more'} beside {sys.executable}"
+              f"{'' if shutil.which('java') else ' and Java 17 on the PATH'}")
+        return None
+    from local_server import start_server
+
+    prompt, body = "Once upon a time", {"temperature": 0, "max_new_tokens": 16}
+    with tempfile.TemporaryDirectory() as tmp:
+        _, folder = small_checkpoint(os.path.join(tmp, "ckpt"))
+        llama = llama2.tp_llama(None, folder, TOKENIZER, 1, max_batch_size=4, max_seq_len=256)
+        expected = generate.text_completion(llama.model, llama.tokenizer, [prompt], 16, temperature=0)[0]
+        del llama
+        os.makedirs(os.path.join(tmp, "ts"))
+        start = time.perf_counter()
+        server = start_server(os.path.join(tmp, "ts"), folder, tp=1, batch_size=4, handler={"max_seq_len": 256},
+                              model_config={"deviceType": device.type.replace("cuda", "gpu")})
+        try:
+            print(f"TorchServe ready in {time.perf_counter() - start:.0f} s ({server.config['deviceType']}, TP=1)")
+            answer = server.generate({"prompt": prompt} | body)
+            print(f"answer: {answer}")
+            if device.type == "cuda":
+                print(f"GPU memory in use: {torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]:,} bytes "
+                      f"(the worker's weights and cache among them)")
+            return answer == expected
+        finally:
+            server.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("part", choices=["parity", "speed", "serve"])
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--cpu-dry-run", action="store_true")
+    a = ap.parse_args()
+    dry = a.cpu_dry_run
+    # gpu_check.sh's timeout sends SIGTERM: unwind, so that serve's finally stops TorchServe
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("FAIL: stopped by the time limit"))
+    ok = {"parity": lambda: parity(dry), "speed": lambda: speed(dry, a.compile), "serve": lambda: serve(dry)}[a.part]()
+    if ok is None:
+        return
+    print("PASS" if ok else "FAIL")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

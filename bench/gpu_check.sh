@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# A prepared check for a machine with one NVIDIA H200. Not run on a GPU yet (see BENCHMARKS.md).
+#
+#   bench/gpu_check.sh                 # on the GPU machine: at most 8 minutes, no network
+#   bench/gpu_check.sh --cpu-dry-run   # here: every part on the CPU with small shapes
+#
+# Parts (bench/gpu_check.py), each under its own timeout, each ending in PASS, FAIL or SKIP:
+#   parity          the GPU's fp32 and bf16 logits against the fp32 CPU reference (transformers)
+#   speed           a Llama-2-7B-shaped random bf16 model: decode tokens/s at batch 1 and 8
+#                   against the HBM roofline (weight bytes / 4.8 TB/s)
+#   serve           TorchServe with TP=1 on the GPU answers a request as the model does in-process
+#   speed --compile the same with Transformer.compile_decode() (last: compiling takes longest)
+# Environment: PY (the Python; default python3, or .venv/bin/python for the dry run), WHEELS (a
+# folder of wheels; when it exists, the requirements but torch are installed from it first, with
+# pip --no-index: the machine's own CUDA torch stays), LOG_DIR (where each part's log goes;
+# default $OUT when set, else /tmp/gpu_check).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+DRY=""
+if [ "${1:-}" = "--cpu-dry-run" ]; then DRY="--cpu-dry-run"; fi
+if [ -z "${PY:-}" ]; then
+  if [ -n "$DRY" ] && [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+LOG_DIR=${LOG_DIR:-${OUT:-/tmp/gpu_check}}
+WHEELS=${WHEELS:-wheels}
+mkdir -p "$LOG_DIR"
+export PYTHONUNBUFFERED=1
+START=$SECONDS
+
+if [ -d "$WHEELS" ]; then
+  grep -v '^torch==' requirements.txt > "$LOG_DIR/requirements-no-torch.txt"
+  timeout 60 "$PY" -m pip install -q --no-index --find-links "$WHEELS" -r "$LOG_DIR/requirements-no-torch.txt" \
+    || echo "pip install from $WHEELS failed: the parts that need the missing packages will say so"
+fi
+if [ -z "$DRY" ]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+fi
+"$PY" -c 'import sys, torch; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.cuda.is_available()}")'
+
+declare -A RESULT
+part() {  # part NAME SECONDS ARGS...: run one part, keep its log and its last word
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (at most ${limit} s)"
+  timeout "$limit" "$PY" bench/gpu_check.py "$@" $DRY 2>&1 | tee "$LOG_DIR/$name.log"
+  local rc=${PIPESTATUS[0]}
+  local last
+  last=$(tail -n 1 "$LOG_DIR/$name.log")
+  if [ "$rc" = 124 ]; then RESULT[$name]="FAIL (timed out after $limit s)"
+  elif [[ "$last" == SKIP* ]]; then RESULT[$name]="$last"
+  elif [ "$rc" = 0 ] && [ "$last" = PASS ]; then RESULT[$name]=PASS
+  else RESULT[$name]="FAIL (exit $rc)"; fi
+}
+
+part parity 50 parity
+part speed 70 speed
+part serve 90 serve
+part speed_compile 210 speed --compile
+
+echo "=== summary ($((SECONDS - START)) s; logs in $LOG_DIR)"
+status=0
+for name in parity speed serve speed_compile; do
+  echo "$name: ${RESULT[$name]}"
+  [[ "${RESULT[$name]}" == FAIL* ]] && status=1
+done
+exit $status
