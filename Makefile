@@ -8,7 +8,7 @@ MODEL_FILES := $(wildcard *.py)
 DEMO_FILES := demo/params.json demo/consolidated.00.pth demo/tokenizer.model
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: install demo-model mar serve stop test bench clean check-java
+.PHONY: install demo-model mar serve stop test bench bench-serving clean check-java
 
 check-java:
 	@command -v java >/dev/null || { echo "TorchServe needs Java 17 or newer: sudo apt-get install -y openjdk-17-jre-headless"; exit 1; }
@@ -53,6 +53,9 @@ test: check-java .venv/.test
 
 bench: .venv/.test
 	$(PY) bench/decode.py
+
+bench-serving: .venv/.test
+	$(PY) bench/serving.py --compare
 
 clean:
 	rm -rf build model_store logs key_file.json .pytest_cache
