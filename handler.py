@@ -47,10 +47,13 @@ class LlamaHandler(BaseHandler):
         tokenizer = os.path.join(model_dir, settings.pop("tokenizer", os.path.join(checkpoint, "tokenizer.model")))
         self.max_seq_len = int(settings.pop("max_seq_len", 2048))
         dtype = settings.pop("dtype", "auto")
+        compile_decode = settings.pop("compile", False)
         self.limits = api.dataclass_from(Limits, settings.pop("limits", None), "handler.limits")
         self.defaults = api.dataclass_from(Defaults, settings.pop("defaults", None), "handler.defaults")
         if settings:
             raise ValueError(f"unknown keys in the handler section of model-config.yaml: {sorted(settings)}")
+        if not isinstance(compile_decode, bool):
+            raise ValueError(f"handler.compile must be true or false, got {compile_decode!r}")
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"handler.dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
 
@@ -61,6 +64,10 @@ class LlamaHandler(BaseHandler):
                          max_batch_size=slots, max_seq_len=self.max_seq_len)
         logger.info("loaded %s on %d rank(s) in %.1f s: %s", checkpoint, world_size,
                     time.perf_counter() - start, llama.model.params)
+        if compile_decode:
+            start = time.perf_counter()
+            llama.model.compile_decode()
+            logger.info("compiled the decode step in %.1f s", time.perf_counter() - start)
         self.tokenizer = llama.tokenizer
         self.engine = Engine(llama.model, self.tokenizer)
         self.limits.max_prompts = min(self.limits.max_prompts, slots)

@@ -266,9 +266,17 @@ class Transformer(nn.Module):
 
     def compile_decode(self, **options):
         """torch.compile the decode step (calls with one token per row), which removes most of
-        the per-operation overhead. Shapes are dynamic, so that the growing KV length does not
-        recompile: batch 1, larger batches and per-row positions compile one graph each."""
+        the per-operation overhead, and compile it now rather than in the first requests.
+        Shapes are dynamic, so that the growing KV length does not recompile: one row, several
+        rows at one position, and rows at different positions compile one graph each."""
         self.compiled_decode = torch.compile(self.run_layers, dynamic=True, **options)
+        rows = min(2, self.params.max_batch_size)
+        tokens = torch.zeros(rows, 2, dtype=torch.long, device=self.tok_embeddings.weight.device)
+        self(tokens, 0)  # a prefill (eager), then one step of each kind; cache rows 0 and 1 get junk
+        self(tokens[:1, :1], 2)
+        if rows > 1:
+            self(tokens[:, :1], 2)
+            self(tokens[:, :1], [2, 1])
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos, slot: int = 0) -> torch.Tensor:

@@ -94,6 +94,18 @@ def test_per_row_positions_and_slots_equal_full_forward(checkpoints, config):
     assert max_diff(rows, expected_rows(full, rows)) <= TOL
 
 
+def test_compiled_decode_equals_eager(checkpoints):
+    """compile_decode() (torch.compile of the one-token steps) changes no logits: equal
+    steps, per-row positions, and batch sizes 1 and 2 (separate graphs)."""
+    model = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1).model
+    tokens = fixed_tokens(model.vocab_size)
+    eager = run_model(model, tokens)
+    model.compile_decode()
+    compiled = run_model(model, tokens)
+    for key in ("decode", "rows"):
+        assert max_diff(compiled[key], eager[key]) <= 1e-5, key
+
+
 def test_meta_shards_are_split_as_fairscale_splits_them(checkpoints):
     """make_checkpoint writes the Meta layout with checkpoint.MP_SPLIT_DIM, so the logits
     tests cannot see a wrong split there; this checks it against Meta's model code

@@ -514,11 +514,12 @@ LIMITS = {"max_new_tokens": 32, "max_prompt_tokens": 40, "max_prompts": 2, "max_
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
-    """A second TorchServe whose handler.limits are small."""
+    """A second TorchServe whose handler.limits are small, and which compiles its decode
+    step (handler.compile), so that the compiled path is served end to end too."""
     from local_server import start_server
 
     srv = start_server(tmp_path_factory.mktemp("limited"), DEMO, tp=2, batch_size=SERVER_SLOTS,
-                       handler={"max_seq_len": SERVER_MAX_SEQ_LEN, "limits": LIMITS})
+                       handler={"max_seq_len": SERVER_MAX_SEQ_LEN, "limits": LIMITS, "compile": True})
     yield srv
     srv.stop()
 
@@ -536,6 +537,13 @@ def refused(server, body, path, status, param, words):
     error = error_of(r.status_code, r.text, path)
     assert error["param"] == param and all(w in error["message"] for w in words), error
     return error
+
+
+def test_compiled_server_answers_as_in_process(limited, demo_llama):
+    prompts = ["The secret of a happy life is", "Once upon a time"]
+    answers = limited.generate({"prompt": prompts, "max_new_tokens": 24, "temperature": 0})
+    assert answers == generate.text_completion(demo_llama.model, demo_llama.tokenizer, prompts, 24, temperature=0)
+    assert "compiled the decode step" in limited.log()
 
 
 def test_limit_max_new_tokens(limited):

@@ -26,14 +26,14 @@ def expected_shapes(args: llama2.ModelArgs, world_size: int) -> dict:
             "w2": (dim, hidden // world_size), "output": (vocab, dim)}
 
 
-def check_tp(folder: str, world_size: int, out_dir, ref=None):
+def check_tp(folder: str, world_size: int, out_dir, ref=None, *worker_args):
     model = llama2.tp_llama(None, folder, TOKENIZER, 1).model
     tokens = fixed_tokens(model.vocab_size)
     tp1 = run_model(model, tokens)
     if ref is not None:
         with torch.no_grad():
             assert max_diff(tp1["full"], ref(tokens).logits.float()) <= TOL
-    results = run("tp_worker.py", world_size, out_dir, folder)
+    results = run("tp_worker.py", world_size, out_dir, folder, *worker_args)
     assert len(results) == world_size
     for rank, result in enumerate(results):
         assert result["shapes"] == expected_shapes(model.params, world_size), f"rank {rank}"
@@ -53,6 +53,13 @@ def check_tp(folder: str, world_size: int, out_dir, ref=None):
 def test_tp_equals_tp1(checkpoints, tmp_path, config, layout, world_size):
     ref, folders = checkpoints[config]
     check_tp(folders[layout], world_size, tmp_path, ref)
+
+
+def test_tp_with_compiled_decode_equals_tp1(checkpoints, tmp_path):
+    """Transformer.compile_decode() at TP=2: the compiled steps (all-reduces inside the
+    graph) give the eager TP=1 logits."""
+    ref, folders = checkpoints["gqa"]
+    check_tp(folders["hf"], 2, tmp_path, None, "--compile")
 
 
 @pytest.mark.parametrize("variant", ["tied", "odd_vocab"])

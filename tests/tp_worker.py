@@ -1,10 +1,11 @@
 """A tensor-parallel rank for test_tp.py, started by torchrun (tests/torchrun.py):
 
-    tp_worker.py OUT_DIR FOLDER
+    tp_worker.py OUT_DIR FOLDER [--compile]
 
 loads FOLDER with llama2.tp_llama on WORLD_SIZE ranks, runs fixed_tokens() through the
 model (run_model) and saves rank r's logits, and the shapes of its shards, to
-OUT_DIR/rank{r}.pt. test_model.py runs the same functions in-process at TP=1."""
+OUT_DIR/rank{r}.pt; --compile first turns on Transformer.compile_decode(). test_model.py
+runs the same functions in-process at TP=1."""
 
 import os
 import sys
@@ -85,6 +86,8 @@ def main():
     llama = llama2.tp_llama(None, folder, TOKENIZER, world_size)
     rank = dist.get_rank() if world_size > 1 else 0
     model = llama.model
+    if "--compile" in sys.argv:
+        model.compile_decode()
     result = run_model(model, fixed_tokens(model.vocab_size))
     layer = model.layers[0]
     result["shapes"] = {"wqkv": tuple(layer.attention.wqkv.weight.shape), "wo": tuple(layer.attention.wo.weight.shape),
