@@ -269,6 +269,9 @@ class Transformer(nn.Module):
         the per-operation overhead, and compile it now rather than in the first requests.
         Shapes are dynamic, so that the growing KV length does not recompile: one row, several
         rows at one position, and rows at different positions compile one graph each."""
+        for layer in self.layers:  # only the activations' sizes vary, not the caches'
+            torch._dynamo.mark_static(layer.attention.cache_k)
+            torch._dynamo.mark_static(layer.attention.cache_v)
         self.compiled_decode = torch.compile(self.run_layers, dynamic=True, **options)
         rows = min(2, self.params.max_batch_size)
         tokens = torch.zeros(rows, 2, dtype=torch.long, device=self.tok_embeddings.weight.device)
@@ -291,7 +294,8 @@ class Transformer(nn.Module):
             start_pos = start_pos[0]  # all rows at one position: no mask, slice writes to the cache
         if isinstance(start_pos, int):
             self._check_positions(slot + bsz, start_pos + seqlen)
-            freqs_cis = self.freqs_cis[start_pos:start_pos + seqlen]
+            # a copy, not a view: the view's offset in the table would make torch.compile recompile at each position
+            freqs_cis = self.freqs_cis[start_pos:start_pos + seqlen].clone()
             mask = None
             if seqlen > 1:
                 key_pos = torch.arange(start_pos + seqlen, device=tokens.device)
@@ -304,13 +308,14 @@ class Transformer(nn.Module):
             freqs_cis = self.freqs_cis[start_pos]
             key_pos = torch.arange(kv_len, device=tokens.device)
             mask = self._additive_mask(key_pos <= start_pos.unsqueeze(-1), dtype).unsqueeze(1)
-        run = self.compiled_decode if seqlen == 1 and self.compiled_decode else self.run_layers
-        return run(tokens, start_pos, freqs_cis, mask, slot)
+        # compiled: the decode steps, one token per row from cache row 0 (a one-token prefill in another row runs eager)
+        run = self.compiled_decode if seqlen == 1 and slot == 0 and self.compiled_decode else self.run_layers
+        return run(self.tok_embeddings(tokens), start_pos, freqs_cis, mask, slot)
 
-    def run_layers(self, tokens: torch.Tensor, start_pos, freqs_cis: torch.Tensor, mask: torch.Tensor | None,
+    def run_layers(self, h: torch.Tensor, start_pos, freqs_cis: torch.Tensor, mask: torch.Tensor | None,
                    slot: int) -> torch.Tensor:
-        """The model proper, after forward's bookkeeping: what compile_decode compiles."""
-        h = self.tok_embeddings(tokens)
+        """The layers after the embedding: what compile_decode compiles (its inputs, made in
+        forward under inference_mode, always have the same layout, so guards hold)."""
         for layer in self.layers:
             h = layer(h, start_pos, freqs_cis, mask, slot)
         logits = self.output(self.norm(h)).float()

@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -38,22 +37,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import generate  # noqa: E402
 import llama2  # noqa: E402
 import make_checkpoint  # noqa: E402
+import report  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from tp_decode import BATCHES, NEW, PROMPT_LEN, NoEos, median_time, prompts, step_ms  # noqa: E402
 
 TOKENIZER = os.path.join(ROOT, "demo", "tokenizer.model")
-BENCHMARKS = os.path.join(ROOT, "BENCHMARKS.md")
-START, END = "<!-- decode:start -->", "<!-- decode:end -->"
 MODELS = {"26M": (512, 8, 8), "110M": (768, 12, 12)}  # dim, layers, heads (= KV heads); named as in the issue
 TP_CONFIGS = [(1, 1), (1, 2), (2, 1), (2, 2)]  # (ranks, threads per rank)
-
-
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{datetime.date.today()}, {cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, "
-            f"torch {torch.__version__}, {torch.get_num_threads()} threads in this process")
 
 
 def copy_bandwidth(threads: int) -> float:
@@ -313,26 +303,16 @@ def tp_section(tp: dict) -> list[str]:
     return lines
 
 
-def write_section(text: str):
-    doc = open(BENCHMARKS).read() if os.path.exists(BENCHMARKS) else "# Benchmarks\n"
-    block = f"{START}\n{text}{END}"
-    if START in doc and END in doc:
-        doc = doc[:doc.index(START)] + block + doc[doc.index(END) + len(END):]
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
-    with open(BENCHMARKS, "w") as f:
-        f.write(doc)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--no-tp", action="store_true", help="skip the torchrun runs")
-    ap.add_argument("--no-write", action="store_true", help="print the section instead of writing BENCHMARKS.md")
+    ap.add_argument("--no-write", action="store_true", help="print the section, leave BENCHMARKS.md alone")
     a = ap.parse_args()
     start = time.perf_counter()
-    info = machine()
+    info = (f"{datetime.date.today()}, {report.machine()}, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads in this process")
     bw = {n: copy_bandwidth(n) for n in sorted({1, torch.get_num_threads()})}
     cold = cold_op_us()
     print(f"bandwidth {bw}, small op warm / cold {cold}", file=sys.stderr)
@@ -345,11 +325,10 @@ def main():
             if not a.no_tp:
                 tp[name] = [tp_run(folder, ranks, threads, a.reps) for ranks, threads in TP_CONFIGS]
     text = section(info, bw, cold, results, tp, time.perf_counter() - start)
-    if a.no_write:
-        print(text)
-    else:
-        write_section(text)
-        print(f"wrote the decode section of {BENCHMARKS}", file=sys.stderr)
+    print(text)
+    if not a.no_write:
+        report.write_section("decode", text)
+        print(f"wrote the decode section of {report.BENCHMARKS}", file=sys.stderr)
 
 
 if __name__ == "__main__":

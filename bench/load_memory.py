@@ -20,8 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -31,9 +29,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import report  # noqa: E402
 TOKENIZER = os.path.join(ROOT, "demo", "tokenizer.model")
-BENCHMARKS = os.path.join(ROOT, "BENCHMARKS.md")
-START, END = "<!-- load_memory:start -->", "<!-- load_memory:end -->"
 MB = 1 << 20
 
 
@@ -230,17 +227,6 @@ def run_ranks(folder: str, world_size: int) -> list[dict]:
     return results
 
 
-def machine() -> str:
-    cpu = "unknown CPU"
-    with open("/proc/cpuinfo") as f:
-        m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
-        if m:
-            cpu = m[1].strip()
-    with open("/proc/meminfo") as f:
-        mem = int(f.readline().split()[1]) / (1 << 20)
-    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, Linux {platform.release()}"
-
-
 def table(rows: list[tuple[str, int, dict]]) -> str:
     def mb(n):
         return f"{n / MB:.0f}"
@@ -298,20 +284,6 @@ def summary(rows: list[tuple[str, int, dict]], row_bytes: dict) -> str:
     return "\n".join(text)
 
 
-def write_section(section: str):
-    """Replace the load_memory section of BENCHMARKS.md (create the file, or append the
-    section, when missing); the rest of the file is left as it is."""
-    text = open(BENCHMARKS).read() if os.path.isfile(BENCHMARKS) else "# Benchmarks\n"
-    block = f"{START}\n{section.strip()}\n{END}"
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    with open(BENCHMARKS, "w") as f:
-        f.write(text)
-
-
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--measure":
         return measure(sys.argv[2], sys.argv[3])
@@ -339,7 +311,7 @@ def main():
     args = llama2.ModelArgs(dim=a.dim, n_layers=a.layers, n_heads=a.heads, n_kv_heads=a.kv_heads)
     row_bytes = {"wo": args.dim * 4, "w2": args.ffn_hidden_dim * 4}  # fp32
     section = (f"## Checkpoint loading: peak resident memory per rank\n\n"
-               f"`python bench/load_memory.py` — {datetime.date.today().isoformat()}, {machine()}, "
+               f"`python bench/load_memory.py` — {datetime.date.today().isoformat()}, {report.machine()}, "
                f"torch {__import__('torch').__version__}.\n\n"
                f"Random fp32 checkpoint of {size / MB:.0f} MB: dim {a.dim}, {a.layers} layers, {a.heads} heads, "
                f"{a.kv_heads} KV heads, vocabulary of demo/tokenizer.model; Meta layout (MP=1, "
@@ -349,7 +321,7 @@ def main():
                f"{summary(rows, row_bytes)}\n")
     print(section)
     if not a.no_write:
-        write_section(section)
+        report.write_section("load_memory", section)
 
 
 if __name__ == "__main__":

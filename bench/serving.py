@@ -30,7 +30,6 @@ import itertools
 import json
 import math
 import os
-import platform
 import random
 import re
 import shutil
@@ -45,11 +44,11 @@ import numpy as np
 import psutil
 import requests
 
+import report
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
 TOKENIZER = os.path.join(ROOT, "demo", "tokenizer.model")
-BENCHMARKS = os.path.join(ROOT, "BENCHMARKS.md")
-START, END = "<!-- serving:start -->", "<!-- serving:end -->"
 
 # Ordinary English text that prompts are cut from (written for this benchmark).
 PROSE = """\
@@ -458,12 +457,6 @@ def server_table(runs: dict, clients: int) -> str:
     return "\n".join(lines)
 
 
-def machine() -> str:
-    with open("/proc/cpuinfo") as f:
-        m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
-    return f"{m[1].strip() if m else 'unknown CPU'}, {os.cpu_count()} cores, Linux {platform.release()}"
-
-
 def revision() -> str:
     """The commit the servers were built from, and the served files (the repository's *.py, which go into
     the archive) that differed from it."""
@@ -492,7 +485,7 @@ def section(a, result: dict, argv: list[str]) -> str:
     spread = " (one idle request's latency)" if a.ramp_up is None else ""
     return f"""## Serving: continuous batching against one request at a time
 
-`{' '.join(['python', 'bench/serving.py'] + argv)}` — {datetime.date.today().isoformat()}, {machine()},
+`{' '.join(['python', 'bench/serving.py'] + argv)}` — {datetime.date.today().isoformat()}, {report.machine()},
 torch {torch.__version__}, TorchServe {ts.__version__}; commit {result['revision']}.
 
 - Model: random Llama (tools/make_checkpoint.py), **{model['parameters']:,} parameters**: dim {model['dim']}, \
@@ -573,22 +566,6 @@ The load run's own requests arrive just after an iteration began (their predeces
 previous one), so they wait about half an iteration longer."""
 
 
-def write_section(text: str):
-    """Replace the serving section of BENCHMARKS.md (append it when missing); the rest of
-    the file stays as it is."""
-    doc = open(BENCHMARKS).read() if os.path.isfile(BENCHMARKS) else "# Benchmarks\n"
-    block = f"{START}\n{text.strip()}\n{END}"
-    if START in doc and END in doc:
-        head, rest = doc.split(START, 1)
-        doc = head + block + rest.split(END, 1)[1]
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
-    with open(BENCHMARKS, "w") as f:
-        f.write(doc)
-
-
-# --- main ----------------------------------------------------------------------------------
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = ap.add_mutually_exclusive_group(required=True)
@@ -629,7 +606,7 @@ def main():
         text = section(a, result, sys.argv[1:])
         print(text)
         if not a.no_write:
-            write_section(text)
+            report.write_section("serving", text)
         return
     from wait_ready import inference_key
 

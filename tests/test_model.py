@@ -94,14 +94,21 @@ def test_per_row_positions_and_slots_equal_full_forward(checkpoints, config):
     assert max_diff(rows, expected_rows(full, rows)) <= TOL
 
 
-def test_compiled_decode_equals_eager(checkpoints):
-    """compile_decode() (torch.compile of the one-token steps) changes no logits: equal
-    steps, per-row positions, and batch sizes 1 and 2 (separate graphs)."""
-    model = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1).model
+def test_compiled_decode_equals_eager_and_never_recompiles(checkpoints):
+    """compile_decode() (torch.compile of the one-token steps) changes no logits, and the
+    three graphs it compiles up front serve every batch size and position: a recompile
+    here would be one per position in a server (and eager again after 8)."""
+    model = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1, max_batch_size=8).model
     tokens = fixed_tokens(model.vocab_size)
     eager = run_model(model, tokens)
     model.compile_decode()
-    compiled = run_model(model, tokens)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = run_model(model, tokens)
+        for rows in (1, 3, 8):
+            step = torch.zeros(rows, 1, dtype=torch.long)
+            for pos in range(4, 40, 7):
+                model(step, pos)
+                model(step, [pos - i for i in range(rows)])
     for key in ("decode", "rows"):
         assert max_diff(compiled[key], eager[key]) <= 1e-5, key
 

@@ -1,0 +1,31 @@
+"""What the benchmarks share: the machine they ran on, and their sections of BENCHMARKS.md."""
+
+import os
+import platform
+import re
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
+
+
+def machine() -> str:
+    with open("/proc/cpuinfo") as f:
+        m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+    with open("/proc/meminfo") as f:
+        mem = int(f.readline().split()[1]) / (1 << 20)
+    return (f"{m[1].strip() if m else 'unknown CPU'}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, "
+            f"Linux {platform.release()}")
+
+
+def write_section(name: str, text: str):
+    """Replace BENCHMARKS.md's section between <!-- name:start --> and <!-- name:end -->
+    (append it when missing); the rest of the file stays as it is."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    doc = open(BENCHMARKS).read() if os.path.isfile(BENCHMARKS) else "# Benchmarks\n"
+    block = f"{start}\n{text.strip()}\n{end}"
+    if start in doc and end in doc:
+        head, rest = doc.split(start, 1)
+        doc = head + block + rest.split(end, 1)[1]
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
+    with open(BENCHMARKS, "w") as f:
+        f.write(doc)
