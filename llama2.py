@@ -268,7 +268,8 @@ class Transformer(nn.Module):
         """torch.compile the decode step (calls with one token per row), which removes most of
         the per-operation overhead, and compile it now rather than in the first requests.
         Shapes are dynamic, so that the growing KV length does not recompile: one row, several
-        rows at one position, and rows at different positions compile one graph each."""
+        rows at one position, and rows at different positions compile one graph each. Meant for
+        one model per process: torch.compile's recompile limit (8) counts every model's graphs."""
         for layer in self.layers:  # only the activations' sizes vary, not the caches'
             torch._dynamo.mark_static(layer.attention.cache_k)
             torch._dynamo.mark_static(layer.attention.cache_v)
