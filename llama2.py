@@ -293,6 +293,9 @@ class Transformer(nn.Module):
         dtype = self.tok_embeddings.weight.dtype
         if not isinstance(start_pos, int) and len(set(start_pos)) == 1:
             start_pos = start_pos[0]  # all rows at one position: no mask, slice writes to the cache
+        # what compile_decode compiled: decode steps, one token per row from cache row 0 after the
+        # prompt (a one-token prompt's prefill, at position 0 or in another row, runs eager)
+        compiled = self.compiled_decode if seqlen == 1 and slot == 0 and start_pos != 0 else None
         if isinstance(start_pos, int):
             self._check_positions(slot + bsz, start_pos + seqlen)
             # a copy, not a view: the view's offset in the table would make torch.compile recompile at each position
@@ -309,8 +312,7 @@ class Transformer(nn.Module):
             freqs_cis = self.freqs_cis[start_pos]
             key_pos = torch.arange(kv_len, device=tokens.device)
             mask = self._additive_mask(key_pos <= start_pos.unsqueeze(-1), dtype).unsqueeze(1)
-        # compiled: the decode steps, one token per row from cache row 0 (a one-token prefill in another row runs eager)
-        run = self.compiled_decode if seqlen == 1 and slot == 0 and self.compiled_decode else self.run_layers
+        run = compiled or self.run_layers
         return run(self.tok_embeddings(tokens), start_pos, freqs_cis, mask, slot)
 
     def run_layers(self, h: torch.Tensor, start_pos, freqs_cis: torch.Tensor, mask: torch.Tensor | None,

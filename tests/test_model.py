@@ -104,6 +104,7 @@ def test_compiled_decode_equals_eager_and_never_recompiles(checkpoints):
     model.compile_decode()
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = run_model(model, tokens)
+        model(tokens[:1, :1], 0)  # a one-token prompt's prefill
         for rows in (1, 3, 8):
             step = torch.zeros(rows, 1, dtype=torch.long)
             for pos in range(4, 40, 7):
