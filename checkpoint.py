@@ -143,6 +143,8 @@ def load_pth(path: str) -> dict:
 
 def slice_of_concatenation(parts: list[torch.Tensor], cat_dim: int, piece: Piece) -> torch.Tensor:
     """piece's slice of torch.cat(parts, cat_dim), reading only the parts it overlaps."""
+    if len(parts) == 1:  # one file: a view into it, no copy
+        return narrow(parts[0], piece)
     if piece.dim is None or piece.dim != cat_dim:
         return torch.cat([narrow(p, piece) for p in parts], cat_dim)
     out, offset = [], 0

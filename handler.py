@@ -68,18 +68,21 @@ class LlamaHandler(BaseHandler):
             start = time.perf_counter()
             llama.model.compile_decode()
             logger.info("compiled the decode step in %.1f s", time.perf_counter() - start)
-        self.tokenizer = llama.tokenizer
-        self.engine = Engine(llama.model, self.tokenizer)
+        self.use_engine(Engine(llama.model, llama.tokenizer))
         self.limits.max_prompts = min(self.limits.max_prompts, slots)
         self.rank0 = int(os.environ.get("RANK", "0")) == 0
         self.created = int(time.time())
-        self.jobs: dict[str, Job] = {}  # by TorchServe request id
-        self.waiting: deque[str] = deque()  # admitted first come, first served
-        self.admissions = 0
         # Bodies reach the handler as bytes, not as JSON TorchServe decoded leniently (NaN,
         # scalars): read_body checks every one against limits.max_body_bytes and parses it strictly.
         os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
         self.initialized = True
+
+    def use_engine(self, engine: Engine):
+        """Serve with engine, nothing in flight yet."""
+        self.engine, self.tokenizer = engine, engine.tokenizer
+        self.jobs: dict[str, Job] = {}  # by TorchServe request id
+        self.waiting: deque[str] = deque()  # admitted first come, first served
+        self.admissions = 0
 
     # --- one iteration: preprocess -> inference -> postprocess (BaseHandler.handle) -------
 
@@ -194,10 +197,10 @@ class LlamaHandler(BaseHandler):
             path = self.context.get_request_header(idx, "url_path")
             raise RequestError(f"no route /{path}; the routes are /, /v1/completions, /v1/chat/completions "
                                "and /v1/models", "url", status=404)
-        if data.get("body") is None and data.get("data") is None:
+        raw = data.get("body") if data.get("body") is not None else data.get("data")
+        if raw is None:
             raise RequestError("no JSON body found: send one with Content-Type: application/json "
                                "(curl: -H 'Content-Type: application/json')", "body", status=415)
-        raw = data.get("body") if data.get("body") is not None else data.get("data")
         body = api.read_body(raw, self.limits)
         if route == "native":
             request = api.parse_native(body, self.limits, self.defaults)

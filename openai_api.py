@@ -156,9 +156,7 @@ def last_chunks(req: Request, seqs: list[Sequence], meta: dict, tokenizer) -> st
 
 
 def error(err: RequestError) -> dict:
-    kind = {404: "NotFoundError", 413: "invalid_request_error"}.get(err.status, "invalid_request_error")
-    if err.status >= 500:
-        kind = "server_error"
+    kind = "server_error" if err.status >= 500 else "NotFoundError" if err.status == 404 else "invalid_request_error"
     return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.status}}
 
 

@@ -19,7 +19,6 @@ the decode markers.
 """
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -33,13 +32,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import generate  # noqa: E402
 import llama2  # noqa: E402
 import make_checkpoint  # noqa: E402
 import report  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
-from tp_decode import BATCHES, NEW, PROMPT_LEN, NoEos, median_time, prompts, step_ms  # noqa: E402
+from tp_decode import (BATCHES, NEW, PROMPT_LEN, NoEos, generate_tokens_per_s, median_time, prompts,  # noqa: E402
+                       step_bytes, step_ms)
 
 TOKENIZER = os.path.join(ROOT, "demo", "tokenizer.model")
 MODELS = {"26M": (512, 8, 8), "110M": (768, 12, 12)}  # dim, layers, heads (= KV heads); named as in the issue
@@ -57,26 +56,13 @@ def copy_bandwidth(threads: int) -> float:
     return 2 * src.numel() * src.element_size() / t / 1e9
 
 
-def step_bytes(model: llama2.Transformer) -> int:
-    """Bytes of weights one decode step reads: everything but the embedding table, of
-    which it reads one row per token."""
-    return sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-               if not name.startswith("tok_embeddings"))
-
-
 def matmul_ms(model: llama2.Transformer, batch: int) -> float:
     """Median time of the matrix products of one decode step alone: every linear layer's
     weight times a (batch, in_features) input, one after another, as the step does them."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
 
-    times = []
-    for _ in range(NEW + 1):
-        start = time.perf_counter()
-        for w in weights:
-            torch.nn.functional.linear(inputs[w.shape[1]], w)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) * 1e3
+    return median_time(lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights], NEW) * 1e3
 
 
 def cold_op_us() -> tuple[float, float]:
@@ -149,9 +135,8 @@ def in_process(name: str, hf, folder: str, reps: int) -> dict:
             if same == "no":
                 print(f"WARNING: {name} batch {batch} {variant}: our greedy tokens differ from transformers'",
                       file=sys.stderr)
-            t = median_time(lambda: ours(p), reps)
             result["rows"][batch][variant] = {
-                "tokens_s": batch * NEW / t, "same_tokens": same, "step_ms": step_ms(model, batch),
+                "tokens_s": generate_tokens_per_s(model, tokenizer, batch, reps), "same_tokens": same, "step_ms": step_ms(model, batch),
                 "staggered_ms": step_ms(model, batch, staggered=True) if batch > 1 else None}
     print(f"{name}: {result}", file=sys.stderr)
     return result
@@ -311,7 +296,7 @@ def main():
     ap.add_argument("--no-write", action="store_true", help="print the section, leave BENCHMARKS.md alone")
     a = ap.parse_args()
     start = time.perf_counter()
-    info = (f"{datetime.date.today()}, {report.machine()}, torch {torch.__version__}, "
+    info = (f"{report.header()}, "
             f"{torch.get_num_threads()} threads in this process")
     bw = {n: copy_bandwidth(n) for n in sorted({1, torch.get_num_threads()})}
     cold = cold_op_us()
@@ -326,10 +311,7 @@ def main():
             if not a.no_tp:
                 tp[name] = [tp_run(folder, ranks, threads, a.reps) for ranks, threads in TP_CONFIGS]
     text = section(info, bw, cold, results, tp, time.perf_counter() - start)
-    print(text)
-    if not a.no_write:
-        report.write_section("decode", text)
-        print(f"wrote the decode section of {report.BENCHMARKS}", file=sys.stderr)
+    report.publish("decode", text, not a.no_write)
 
 
 if __name__ == "__main__":

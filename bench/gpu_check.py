@@ -34,10 +34,10 @@ for path in (ROOT, os.path.join(ROOT, "tools"), os.path.join(ROOT, "tests"), os.
     sys.path.insert(0, path)
 import generate  # noqa: E402
 import llama2  # noqa: E402
+from tp_decode import generate_tokens_per_s, step_bytes, step_ms, sync  # noqa: E402
 
 TOKENIZER = os.path.join(ROOT, "demo", "tokenizer.model")
 HBM_BYTES_PER_S = 4.8e12  # H200 datasheet
-PROMPT_LEN, NEW = 32, 64
 # Tolerances, as max |logits - reference| / std(reference logits). fp32: summation order only
 # (TF32 is off). bf16: 8-bit mantissas for weights and activations through 4 layers; on the CPU
 # (oneDNN, --cpu-dry-run) this model's bf16 logits are off by up to 5% of their spread, and a
@@ -102,7 +102,7 @@ def parity(dry: bool) -> bool:
 # --- speed ------------------------------------------------------------------------------
 
 class NullTokenizer:
-    """generate.generate needs a tokenizer: no EOS (exactly NEW tokens), nothing to decode."""
+    """generate.generate needs a tokenizer: no EOS (exactly 64 new tokens), nothing to decode."""
     eos_id = -1
 
     @staticmethod
@@ -125,11 +125,6 @@ def random_model(args: llama2.ModelArgs, device, dtype) -> llama2.Transformer:
     model.eval().requires_grad_(False)
     model.setup_caches()
     return model
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def copy_bandwidth(device) -> float:
@@ -155,29 +150,17 @@ def speed(dry: bool, compile: bool) -> bool:
         args = llama2.ModelArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, multiple_of=256,
                                 max_batch_size=8, max_seq_len=128)
     model = random_model(args, device, torch.bfloat16)
-    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                       if not n.startswith("tok_embeddings"))
+    weight_bytes = step_bytes(model)
     print(f"{device}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, "
           f"{weight_bytes / 1e9:.2f} GB of weights per step; device copy {copy_bandwidth(device):.0f} GB/s")
     if compile:
         start = time.perf_counter()
-        model.compile_decode()
-        for batch in (1, 8):  # compiles the graphs the runs below use (one per shape class)
-            generate.generate(model, prompts(batch, args.vocab_size), 4, temperature=0.0, tokenizer=NullTokenizer)
-            step_ms(model, batch, device, steps=2)
-        print(f"compile_decode and the first calls, which compile: {time.perf_counter() - start:.0f} s")
+        model.compile_decode()  # compiles its graphs before it returns
+        print(f"compile_decode: {time.perf_counter() - start:.0f} s")
     label = "compiled" if compile else "eager"
     for batch in (1, 8):
-        p = prompts(batch, args.vocab_size)
-        run = lambda: generate.generate(model, p, NEW, temperature=0.0, tokenizer=NullTokenizer)  # noqa: E731
-        run()
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-        tps = batch * NEW / statistics.median(times)
-        step = step_ms(model, batch, device)
+        tps = generate_tokens_per_s(model, NullTokenizer, batch, 3)
+        step = step_ms(model, batch)
         roof = batch * HBM_BYTES_PER_S / weight_bytes
         print(f"{label} batch {batch}: generate {tps:,.0f} tokens/s, decode step {step:.2f} ms "
               f"({batch * 1e3 / step:,.0f} tokens/s); roofline {roof:,.0f} tokens/s: generate at "
@@ -185,31 +168,10 @@ def speed(dry: bool, compile: bool) -> bool:
     return True
 
 
-def prompts(batch: int, vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(batch)
-    return torch.randint(3, vocab, (batch, PROMPT_LEN), generator=g).tolist()
-
-
-def step_ms(model, batch: int, device, steps: int = NEW) -> float:
-    """Median time of one decode step (one token per row) after a prefill."""
-    model(torch.tensor(prompts(batch, model.vocab_size), device=device), 0)
-    tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
-    times = []
-    for pos in range(PROMPT_LEN, PROMPT_LEN + steps):
-        sync(device)
-        start = time.perf_counter()
-        model(tokens, pos)
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 # --- serve ------------------------------------------------------------------------------
 
 def serve(dry: bool) -> bool | None:
     import shutil
-
-    import yaml  # noqa: F401  (local_server needs it)
 
     device = device_for(dry)
     bin_dir = os.path.dirname(sys.executable)
@@ -235,7 +197,8 @@ def serve(dry: bool) -> bool | None:
             answer = server.generate({"prompt": prompt} | body)
             print(f"answer: {answer}")
             if device.type == "cuda":
-                print(f"GPU memory in use: {torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]:,} bytes "
+                free, total = torch.cuda.mem_get_info()
+                print(f"GPU memory in use: {total - free:,} bytes "
                       f"(the worker's weights and cache among them)")
             return answer == expected
         finally:

@@ -17,7 +17,6 @@ weights; its size is listed separately.
 """
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -78,19 +77,9 @@ def measure(folder: str, out_dir: str):
     rank's figures to out_dir/rank{r}.json."""
     import torch
 
-    import checkpoint
     import llama2
 
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if os.path.isfile(os.path.join(folder, "params.json")):
-        path = os.path.join(folder, "params.json")
-        with open(path) as f:
-            arch = checkpoint.meta_model_args(json.load(f), path)
-    else:
-        path = os.path.join(folder, "config.json")
-        with open(path) as f:
-            arch = checkpoint.hf_model_args(json.load(f), path)
-    model_args = llama2.ModelArgs(**arch, max_batch_size=1, max_seq_len=256)
 
     # One-time costs that do not grow with the checkpoint stay out of the figures: the
     # first model built on the meta device imports ~800 modules of torch (~65 MB), and
@@ -106,17 +95,16 @@ def measure(folder: str, out_dir: str):
     sampler = PeakSampler()
     sampler.start()
     t0 = time.perf_counter()
-    model = llama2.tp_llama(model_args, folder, TOKENIZER, world_size).model
+    model = llama2.tp_llama(None, folder, TOKENIZER, world_size, max_batch_size=1, max_seq_len=256).model
     seconds = time.perf_counter() - t0
     peak = sampler.stop()
     after = status()
 
     trimmed = malloc_trim()
-    params = {id(p): p for p in model.parameters()}.values()
     caches = [t for layer in model.layers for t in (layer.attention.cache_k, layer.attention.cache_v)]
     rank = llama2.tp_world()[0]
     result = {"rank": rank, "world_size": world_size, "seconds": seconds,
-              "shard": sum(p.numel() * p.element_size() for p in params),
+              "shard": sum(p.numel() * p.element_size() for p in model.parameters()),
               "kv_cache": sum(t.numel() * t.element_size() for t in caches),
               "warm_up": warm["RssAnon"] - first_use["RssAnon"], "before": before, "after": after, "peak_anon": peak["RssAnon"], "peak_file": peak["RssFile"],
               "hwm": after["VmHWM"], "trimmed": trimmed["RssAnon"],
@@ -166,9 +154,9 @@ def spanned_bytes(folder: str, plan: dict) -> int:
 
 # --- the checkpoint -----------------------------------------------------------------------
 
-def write_checkpoint(out: str, dim: int, layers: int, heads: int, kv_heads: int, layouts: list[str]) -> dict:
+def write_checkpoint(out: str, dim: int, layers: int, heads: int, kv_heads: int, layouts: list[str]):
     """Random fp32 weights in Meta layout (params.json + consolidated.00.pth) and/or Hugging
-    Face layout (config.json + model.safetensors); returns {layout: (folder, bytes)}."""
+    Face layout (config.json + model.safetensors); returns ({layout: folder}, bytes, ModelArgs)."""
     import torch
     from safetensors.torch import save_file
 
@@ -193,7 +181,7 @@ def write_checkpoint(out: str, dim: int, layers: int, heads: int, kv_heads: int,
         with open(os.path.join(folder, "params.json"), "w") as f:
             json.dump({"dim": dim, "n_layers": layers, "n_heads": heads, "n_kv_heads": kv_heads,
                        "vocab_size": vocab, "multiple_of": args.multiple_of, "norm_eps": args.norm_eps}, f)
-        folders["meta"] = (folder, size)
+        folders["meta"] = folder
     if "hf" in layouts:
         folder = os.path.join(out, "hf")
         os.makedirs(folder)
@@ -204,8 +192,8 @@ def write_checkpoint(out: str, dim: int, layers: int, heads: int, kv_heads: int,
                        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": vocab,
                        "intermediate_size": args.ffn_hidden_dim, "rms_norm_eps": args.norm_eps,
                        "rope_theta": args.rope_theta, "tie_word_embeddings": False}, f)
-        folders["hf"] = (folder, size)
-    return folders
+        folders["hf"] = folder
+    return folders, size, args
 
 
 # --- the driver ---------------------------------------------------------------------------
@@ -260,7 +248,7 @@ def summary(rows: list[tuple[str, int, dict]], row_bytes: dict) -> str:
         f"the KV cache, to within {max_off:.0f} MB on every rank. The peak is up to "
         f"{span([max(r['peak_anon'] - r['trimmed'], 0) for r in rs])} MB higher: temporaries (torch.cat of the "
         f"pieces of the fused wqkv and w13, the copy that the rotary un-permutation makes of Hugging Face q/k "
-        f"rows, torch.cat of a single Meta part), whose memory glibc keeps after they are freed.",
+        f"rows), whose memory glibc keeps after they are freed.",
         "- VmHWM also counts the checkpoint pages that the rank faulted in through its memory map (RssFile). They "
         "are clean page-cache pages, one copy shared by all ranks of the host and reclaimable, but they stay "
         "mapped, so the per-rank peak RSS is about the shard plus what was read"
@@ -299,29 +287,23 @@ def main():
 
     tmp = tempfile.mkdtemp(prefix="load_memory_ckpt_")
     try:
-        folders = write_checkpoint(tmp, a.dim, a.layers, a.heads, a.kv_heads, a.layouts)
+        folders, size, args = write_checkpoint(tmp, a.dim, a.layers, a.heads, a.kv_heads, a.layouts)
         rows = []
-        for layout, (folder, _) in folders.items():
+        for layout, folder in folders.items():
             for ws in a.world_sizes:
                 rows += [(layout, ws, r) for r in run_ranks(folder, ws)]
     finally:
         shutil.rmtree(tmp)
-    size = next(iter(folders.values()))[1]
-    import llama2
-    args = llama2.ModelArgs(dim=a.dim, n_layers=a.layers, n_heads=a.heads, n_kv_heads=a.kv_heads)
     row_bytes = {"wo": args.dim * 4, "w2": args.ffn_hidden_dim * 4}  # fp32
     section = (f"## Checkpoint loading: peak resident memory per rank\n\n"
-               f"`python bench/load_memory.py` — {datetime.date.today().isoformat()}, {report.machine()}, "
-               f"torch {__import__('torch').__version__}.\n\n"
+               f"`python bench/load_memory.py` — {report.header()}.\n\n"
                f"Random fp32 checkpoint of {size / MB:.0f} MB: dim {a.dim}, {a.layers} layers, {a.heads} heads, "
                f"{a.kv_heads} KV heads, vocabulary of demo/tokenizer.model; Meta layout (MP=1, "
                f"consolidated.00.pth) and Hugging Face layout (one model.safetensors). TP=2 runs under torchrun "
                f"(gloo, CPU). \"before\" is the rank's memory just before tp_llama (after imports); "
                f"VmHWM is reset there (/proc/self/clear_refs). Figures in MB.\n\n{table(rows)}\n\n"
                f"{summary(rows, row_bytes)}\n")
-    print(section)
-    if not a.no_write:
-        report.write_section("load_memory", section)
+    report.publish("load_memory", section, not a.no_write)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """What the benchmarks share: the machine they ran on, and their sections of BENCHMARKS.md."""
 
+import datetime
 import os
 import platform
 import re
+import sys
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
 
@@ -14,6 +16,21 @@ def machine() -> str:
         mem = int(f.readline().split()[1]) / (1 << 20)
     return (f"{m[1].strip() if m else 'unknown CPU'}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, "
             f"Linux {platform.release()}")
+
+
+def header() -> str:
+    """When and where a benchmark ran: the date, the machine, torch's version."""
+    import torch
+
+    return f"{datetime.date.today().isoformat()}, {machine()}, torch {torch.__version__}"
+
+
+def publish(name: str, text: str, write: bool = True):
+    """Print a benchmark's section and, unless told not to, put it into BENCHMARKS.md."""
+    print(text)
+    if write:
+        write_section(name, text)
+        print(f"wrote the {name} section of {BENCHMARKS}", file=sys.stderr)
 
 
 def write_section(name: str, text: str):

@@ -32,7 +32,6 @@ import math
 import os
 import random
 import re
-import shutil
 import sys
 import tempfile
 import threading
@@ -380,16 +379,16 @@ def print_measurement(label: str, m: dict):
 
 # --- --compare: private servers, side by side ---------------------------------------------
 
-def write_checkpoint(folder: str, dim: int, layers: int, heads: int) -> dict:
-    """A random Llama in Meta layout with the demo tokenizer; returns its params.json and size."""
+def write_checkpoint(out: str, dim: int, layers: int, heads: int) -> tuple[str, dict]:
+    """A random Llama in Meta layout with the demo tokenizer: its folder, and its params.json
+    and size."""
     import make_checkpoint
     from tokenizer import Tokenizer
 
     model = make_checkpoint.random_hf_model(dim, layers, heads, heads, Tokenizer(TOKENIZER).n_words)
-    make_checkpoint.save_meta(model, folder)
-    shutil.copy(TOKENIZER, os.path.join(folder, "tokenizer.model"))
-    return model.meta_params | {"parameters": sum(p.numel() for p in model.parameters()),
-                                "ffn_dim": model.config.intermediate_size}
+    folder = make_checkpoint.write_layouts(model, out, TOKENIZER, ["meta:1"])["meta:1"]
+    return folder, model.meta_params | {"parameters": sum(p.numel() for p in model.parameters()),
+                                        "ffn_dim": model.config.intermediate_size}
 
 
 def compare(a, bodies: list[dict]) -> dict:
@@ -397,8 +396,7 @@ def compare(a, bodies: list[dict]) -> dict:
 
     runs, built_from = {}, revision()
     with tempfile.TemporaryDirectory(prefix="bench_serving_") as tmp:
-        ckpt = os.path.join(tmp, "checkpoint")
-        model = write_checkpoint(ckpt, a.dim, a.layers, a.heads)
+        ckpt, model = write_checkpoint(tmp, a.dim, a.layers, a.heads)
         print(f"random Llama: {model['parameters']:,} parameters, dim {a.dim}, {a.layers} layers, {a.heads} heads")
         for slots in a.batch_sizes:
             workdir = os.path.join(tmp, f"batch{slots}")
@@ -440,6 +438,17 @@ def results_table(runs: dict, clients: int) -> str:
     return "\n".join(lines)
 
 
+def per_iteration(r: dict) -> tuple[float, float, float, float]:
+    """tokens, wall ms, rank 0's reply ms and handle() ms per iteration of a run"""
+    n = max(r["server"]["iterations"], 1)
+    return sum(r["output_tokens"]) / n, r["duration"] * 1000 / n, r["server"]["backend_ms"], r["server"]["handler_ms"]
+
+
+def rest_cores(cpu: dict) -> float:
+    """CPU cores the rest of the machine used, besides the ranks, frontend, torchrun and client"""
+    return max(cpu["machine"] - cpu["ranks"] - cpu["frontend"] - cpu["torchrun"] - cpu["client"], 0)
+
+
 def server_table(runs: dict, clients: int) -> str:
     lines = ["| run | iterations | tokens per iteration | wall time per iteration (ms) | rank 0's reply, "
              "as the frontend waits for it (ms) | handle() (ms) | CPU cores busy: ranks / frontend (Java) / "
@@ -447,13 +456,12 @@ def server_table(runs: dict, clients: int) -> str:
     for slots, m in runs.items():
         for phase_name in ("load", "idle"):
             r = m[phase_name]
-            it, cpu = r["server"], r["cpu"]
-            n = max(it["iterations"], 1)
-            rest = cpu["machine"] - cpu["ranks"] - cpu["frontend"] - cpu["torchrun"] - cpu["client"]
+            cpu = r["cpu"]
+            tokens, wall, backend, handler = per_iteration(r)
             lines.append(f"| batchSize {slots}, {f'{clients} clients' if phase_name == 'load' else 'idle'} | "
-                         f"{it['iterations']} | {sum(r['output_tokens']) / n:.2f} | {r['duration'] * 1000 / n:.1f} | "
-                         f"{it['backend_ms']:.1f} | {it['handler_ms']:.1f} | {cpu['ranks']:.2f} / "
-                         f"{cpu['frontend']:.2f} / {cpu['torchrun']:.2f} / {cpu['client']:.2f} / {max(rest, 0):.2f} |")
+                         f"{r['server']['iterations']} | {tokens:.2f} | {wall:.1f} | {backend:.1f} | {handler:.1f} | "
+                         f"{cpu['ranks']:.2f} / {cpu['frontend']:.2f} / {cpu['torchrun']:.2f} / {cpu['client']:.2f} / "
+                         f"{rest_cores(cpu):.2f} |")
     return "\n".join(lines)
 
 
@@ -471,7 +479,6 @@ def revision() -> str:
 
 
 def section(a, result: dict, argv: list[str]) -> str:
-    import torch
     import ts
 
     model, runs = result["model"], result["runs"]
@@ -485,8 +492,8 @@ def section(a, result: dict, argv: list[str]) -> str:
     spread = " (one idle request's latency)" if a.ramp_up is None else ""
     return f"""## Serving: continuous batching against one request at a time
 
-`{' '.join(['python', 'bench/serving.py'] + argv)}` — {datetime.date.today().isoformat()}, {report.machine()},
-torch {torch.__version__}, TorchServe {ts.__version__}; commit {result['revision']}.
+`{' '.join(['python', 'bench/serving.py'] + argv)}` — {report.header()},
+TorchServe {ts.__version__}; commit {result['revision']}.
 
 - Model: random Llama (tools/make_checkpoint.py), **{model['parameters']:,} parameters**: dim {model['dim']}, \
 {model['n_layers']} layers, {model['n_heads']} heads ({model['n_kv_heads']} KV heads), FFN {model['ffn_dim']}, \
@@ -528,17 +535,9 @@ The servers' side, from TorchServe's log (ts_log.log: one "Looping backend respo
 def notes(model: dict, runs: dict, tp: int) -> str:
     """What the figures say, with the figures."""
     many, one = runs[max(runs)], runs[min(runs)]
-
-    def per_iteration(r: dict) -> tuple[float, float, float, float]:
-        """tokens, wall ms, rank 0's reply ms and handle() ms per iteration"""
-        n = max(r["server"]["iterations"], 1)
-        return sum(r["output_tokens"]) / n, r["duration"] * 1000 / n, r["server"]["backend_ms"], \
-            r["server"]["handler_ms"]
-
     t8, w8, b8, h8 = per_iteration(many["load"])
     _, w1, b1, h1 = per_iteration(one["load"])
     cpu = many["load"]["cpu"]
-    rest = cpu["machine"] - cpu["ranks"] - cpu["frontend"] - cpu["torchrun"] - cpu["client"]
     collectives = 2 * model["n_layers"] + 2
     probe, idle = many["probe_ttft"]["median"], many["idle"]["ttft"]["median"]
     return f"""Reading the figures:
@@ -556,7 +555,7 @@ reply) + {b1 - h1:.1f} ms in the worker (sockets, protocol, metrics lines) at ba
 {t8:.1f} tokens.
 - On 2 cores the {tp} ranks (one thread each) need both cores: during the batchSize {max(runs)} load they used \
 {cpu['ranks']:.2f} cores, the frontend (Java) {cpu['frontend']:.2f}, this client {cpu['client']:.2f}, the rest \
-of the machine {max(rest, 0):.2f}. Whatever else runs takes a core from one rank, and the other rank waits for it \
+of the machine {rest_cores(cpu):.2f}. Whatever else runs takes a core from one rank, and the other rank waits for it \
 at the next collective.
 - TTFT: a request that arrives while others decode waits for the iteration in progress, then for the whole next \
 one, which decodes the running sequences and prefills it; its first token goes out with their tokens at the end \
@@ -604,9 +603,7 @@ def main():
     if a.compare:
         result = compare(a, bodies)
         text = section(a, result, sys.argv[1:])
-        print(text)
-        if not a.no_write:
-            report.write_section("serving", text)
+        report.publish("serving", text, not a.no_write)
         return
     from wait_ready import inference_key
 

@@ -25,6 +25,7 @@ from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import checkpoint  # noqa: E402
 import generate  # noqa: E402
 import llama2  # noqa: E402
 
@@ -68,19 +69,35 @@ def generate_tokens_per_s(model, tokenizer, batch: int, reps: int) -> float:
     return batch * NEW / t
 
 
-def step_ms(model, batch: int, staggered: bool = False) -> float:
-    """Median time of one decode step (one token per row at positions 32..95), after a
-    prefill. staggered: row i is i positions behind row 0, as sequences that started at
-    different times are (per-row positions: a mask and indexed KV-cache writes)."""
-    model(torch.tensor(prompts(batch, model.vocab_size)), 0)
-    tokens = torch.zeros(batch, 1, dtype=torch.long)
+def step_ms(model, batch: int, staggered: bool = False, steps: int = NEW) -> float:
+    """Median time of one decode step (one token per row at positions 32, 33, ...), after a
+    prefill, on the model's device. staggered: row i is i positions behind row 0, as
+    sequences that started at different times are (per-row positions: a mask and indexed
+    KV-cache writes)."""
+    device = model.tok_embeddings.weight.device
+    model(torch.tensor(prompts(batch, model.vocab_size), device=device), 0)
+    tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
     times = []
-    for pos in range(PROMPT_LEN, PROMPT_LEN + NEW):
+    for pos in range(PROMPT_LEN, PROMPT_LEN + steps):
         start_pos = [pos - i for i in range(batch)] if staggered else pos
+        sync(device)
         start = time.perf_counter()
         model(tokens, start_pos)
+        sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+def sync(device: torch.device):
+    if device.type == "cuda":  # kernels run asynchronously: wait for them before reading the clock
+        torch.cuda.synchronize()
+
+
+def step_bytes(model: llama2.Transformer) -> int:
+    """Bytes of weights one decode step reads: everything but the embedding table, of
+    which it reads one row per token."""
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+               if not name.startswith("tok_embeddings"))
 
 
 def comm_ms(args: llama2.ModelArgs, batch: int, gather: bool) -> float:
@@ -171,7 +188,7 @@ def separate_llama(folder: str, args: llama2.ModelArgs, how: str) -> SeparateLla
     """The checkpoint in SeparateLlama, sharded by `how`: "plain" (each rank slices its
     part, as llama2.py does) or "dtensor" (parallelize_module)."""
     model = SeparateLlama(args, max(BATCHES), PROMPT_LEN + NEW)
-    state = torch.load(os.path.join(folder, "consolidated.00.pth"), weights_only=True, mmap=True)
+    state = checkpoint.load_pth(os.path.join(folder, "consolidated.00.pth"))
     model.load_state_dict({k: v for k, v in state.items() if k != "rope.freqs"})
     rank, ws = dist.get_rank(), dist.get_world_size()
     if how == "dtensor":
@@ -203,7 +220,7 @@ def separate_llama(folder: str, args: llama2.ModelArgs, how: str) -> SeparateLla
     return model.eval().requires_grad_(False)
 
 
-def dtensor_comparison(folder: str, ours, reps: int) -> dict:
+def dtensor_comparison(folder: str, ours) -> dict:
     """Decode-step times of ours (fused), SeparateLlama plain and SeparateLlama DTensor,
     and the largest logit difference of each from ours."""
     tokens = torch.tensor(prompts(1, ours.vocab_size))
@@ -234,8 +251,8 @@ def main():
     if ws > 1:
         result["comm_ms"] = {b: comm_ms(model.params, b, model.output_group is not None) for b in BATCHES}
         if a.dtensor:
-            result["dtensor"] = dtensor_comparison(a.folder, model, a.reps)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+            result["dtensor"] = dtensor_comparison(a.folder, model)
+    if llama2.tp_world()[0] == 0:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
     if dist.is_initialized():

@@ -39,13 +39,18 @@ SERVER_SLOTS = 4
 SERVER_MAX_SEQ_LEN = 512
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory):
-    """One TorchServe (TP=2 on CPU) for the whole test run, serving DEMO."""
+def start_demo_server(workdir, **handler):
+    """A TorchServe (TP=2 on CPU) serving DEMO with the tests' slots and context; handler:
+    more settings for model-config.yaml's handler section."""
     from local_server import start_server
 
-    srv = start_server(tmp_path_factory.mktemp("torchserve"), DEMO, tp=2, batch_size=SERVER_SLOTS,
-                       handler={"max_seq_len": SERVER_MAX_SEQ_LEN})
+    return start_server(workdir, DEMO, tp=2, batch_size=SERVER_SLOTS, handler={"max_seq_len": SERVER_MAX_SEQ_LEN} | handler)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """One TorchServe for the whole test run."""
+    srv = start_demo_server(tmp_path_factory.mktemp("torchserve"))
     srv.initial_pids = srv.worker_pids()
     yield srv
     srv.stop()

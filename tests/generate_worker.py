@@ -23,10 +23,10 @@ def main():
         spec = json.load(f)
     world_size = int(os.environ["WORLD_SIZE"])
     folder = spec["folder"]
-    llama = llama2.tp_llama(None, folder, os.path.join(folder, "tokenizer.model"), world_size)
+    llama = llama2.tp_llama(None, folder, os.path.join(folder, "tokenizer.model"), world_size,
+                            max_batch_size=spec["max_batch_size"], max_seq_len=spec["max_seq_len"])
     rank = dist.get_rank()
     model, tok = llama.model, llama.tokenizer
-    model.setup_caches(spec["max_batch_size"], spec["max_seq_len"])
     torch.manual_seed(1000 + rank)
     n = spec["n_new"]
     prompts = [tok.encode(p, bos=True, eos=False) for p in spec["prompts"]]

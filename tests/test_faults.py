@@ -15,8 +15,7 @@ import psutil
 import pytest
 import requests
 
-import generate
-from conftest import DEMO, SERVER_MAX_SEQ_LEN, SERVER_SLOTS
+from conftest import start_demo_server
 from test_reliability import save_figures
 
 ERROR_BOUND = 30  # s: a request in flight must have its error by then
@@ -26,10 +25,7 @@ PROMPT = "The secret of a happy life is"
 
 @pytest.fixture
 def own_server(tmp_path):
-    from local_server import start_server
-
-    srv = start_server(tmp_path / "ts", DEMO, tp=2, batch_size=SERVER_SLOTS,
-                       handler={"max_seq_len": SERVER_MAX_SEQ_LEN})
+    srv = start_demo_server(tmp_path / "ts")
     yield srv
     java = srv.frontend()
     tree = [java] + java.children(recursive=True) if java else []
@@ -105,7 +101,7 @@ def processes_of(server) -> list[psutil.Process]:
 def test_killed_rank_fails_requests_in_flight_then_recovers(own_server, demo_llama):
     server = own_server
     body = {"prompt": PROMPT, "max_new_tokens": 16, "temperature": 0}
-    reference = generate.text_completion(demo_llama.model, demo_llama.tokenizer, [PROMPT], 16, temperature=0)[0]
+    reference = demo_llama.text_completion([PROMPT], 16, temperature=0)[0]
     assert server.generate(body) == reference
     startup_timeout = server.config["startupTimeout"]
     figures = {"startup_timeout_s": startup_timeout, "kills": []}

@@ -4,7 +4,6 @@ or JSON value come in, api.read_body, api.parse_native, openai_api.parse and api
 limits, or an api.RequestError with a 4xx status; never any other exception."""
 
 import json
-from collections import deque
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -286,7 +285,7 @@ def test_failed_prefill_frees_its_slots(demo_llama, monkeypatch):
 
     engine = generate.Engine(demo_llama.model, demo_llama.tokenizer)
     h = handler_module.LlamaHandler()
-    h.engine, h.tokenizer, h.jobs, h.waiting, h.admissions = engine, demo_llama.tokenizer, {}, deque(), 0
+    h.use_engine(engine)
     slots = list(engine.free_slots)
     limits = Limits()
 
@@ -315,5 +314,5 @@ def test_failed_prefill_frees_its_slots(demo_llama, monkeypatch):
     good = h.jobs["good"]
     while not (good.seqs and all(s.done for s in good.seqs)):
         h.inference({})
-    expected = generate.text_completion(demo_llama.model, demo_llama.tokenizer, ["two"], 4, temperature=0)[0]
+    expected = demo_llama.text_completion(["two"], 4, temperature=0)[0]
     assert good.error is None and good.seqs[0].text == expected["generation"]

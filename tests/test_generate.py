@@ -24,9 +24,8 @@ ALPHA = 1e-4  # significance level of the chi-square tests (seeds are fixed: rep
 # --- helpers ---------------------------------------------------------------------------
 
 def load(folder: str):
-    llama = llama2.tp_llama(None, folder, os.path.join(folder, "tokenizer.model"), 1)
-    llama.model.setup_caches(MAX_BATCH, MAX_SEQ_LEN)
-    return llama
+    return llama2.tp_llama(None, folder, os.path.join(folder, "tokenizer.model"), 1, max_batch_size=MAX_BATCH,
+                           max_seq_len=MAX_SEQ_LEN)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import requests
 import torch
 
 import generate
-from conftest import DEMO, ROOT, SERVER_MAX_SEQ_LEN, SERVER_SLOTS
+from conftest import ROOT, SERVER_SLOTS, start_demo_server
 
 NATIVE, COMPLETIONS, CHAT = "", "/1.0/v1/completions", "/1.0/v1/chat/completions"
 ROUTES = {NATIVE: "native", COMPLETIONS: "completions", CHAT: "chat"}
@@ -300,7 +300,7 @@ def test_malformed_requests(server, demo_llama):
     assert server.worker_pids() == server.initial_pids and len(server.initial_pids) == 2
     prompt = "The secret of a happy life is"
     answer = server.generate({"prompt": prompt, "temperature": 0, "max_new_tokens": 16})
-    assert answer == generate.text_completion(demo_llama.model, demo_llama.tokenizer, [prompt], 16, temperature=0)[0]
+    assert answer == demo_llama.text_completion([prompt], 16, temperature=0)[0]
     save_figures("malformed", {"requests": len(cases), "hand_written": len(cases) - 180, "mutations": 180,
                                "by_status": {str(k): v for k, v in sorted(statuses.items(), key=str)},
                                "worker_restarts": 0, "seconds": round(elapsed, 1)})
@@ -422,9 +422,9 @@ def expected_block(demo_llama, group: list[dict]) -> dict[int, dict]:
     lengths = [s["max_new_tokens"] for s in group]
     if first["chat"]:
         dialogs = [[{"role": "user", "content": s["prompt"]}] for s in group]
-        preds = generate.chat_completion(demo_llama.model, demo_llama.tokenizer, dialogs, lengths, **options)
+        preds = demo_llama.chat_completion(dialogs, lengths, **options)
     else:
-        preds = generate.text_completion(demo_llama.model, demo_llama.tokenizer, [s["prompt"] for s in group], lengths,
+        preds = demo_llama.text_completion([s["prompt"] for s in group], lengths,
                                          **options)
     return {s["i"]: {"text": p["generation"]["content"] if first["chat"] else p["generation"],
                      "finish_reason": p["finish_reason"], "usage": p["usage"]} for s, p in zip(group, preds)}
@@ -516,10 +516,7 @@ LIMITS = {"max_new_tokens": 32, "max_prompt_tokens": 40, "max_prompts": 2, "max_
 def limited(tmp_path_factory):
     """A second TorchServe whose handler.limits are small, and which compiles its decode
     step (handler.compile), so that the compiled path is served end to end too."""
-    from local_server import start_server
-
-    srv = start_server(tmp_path_factory.mktemp("limited"), DEMO, tp=2, batch_size=SERVER_SLOTS,
-                       handler={"max_seq_len": SERVER_MAX_SEQ_LEN, "limits": LIMITS, "compile": True})
+    srv = start_demo_server(tmp_path_factory.mktemp("limited"), limits=LIMITS, compile=True)
     yield srv
     srv.stop()
 
@@ -542,7 +539,7 @@ def refused(server, body, path, status, param, words):
 def test_compiled_server_answers_as_in_process(limited, demo_llama):
     prompts = ["The secret of a happy life is", "Once upon a time"]
     answers = limited.generate({"prompt": prompts, "max_new_tokens": 24, "temperature": 0})
-    assert answers == generate.text_completion(demo_llama.model, demo_llama.tokenizer, prompts, 24, temperature=0)
+    assert answers == demo_llama.text_completion(prompts, 24, temperature=0)
     assert "compiled the decode step" in limited.log()
 
 

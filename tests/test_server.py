@@ -10,7 +10,6 @@ import zipfile
 import grpc
 import pytest
 
-import generate
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
 PROMPTS = ["The secret of a happy life is", "Once upon a time"]
@@ -20,21 +19,21 @@ DIALOG = [{"role": "system", "content": "You are a cheerful assistant."},
 
 def test_text_matches_in_process(server, demo_llama):
     answers = server.generate({"prompt": PROMPTS} | GREEDY)
-    expected = generate.text_completion(demo_llama.model, demo_llama.tokenizer, PROMPTS, 24, temperature=0)
+    expected = demo_llama.text_completion(PROMPTS, 24, temperature=0)
     assert answers == expected
     assert all(a["generation"].strip() for a in answers)
 
 
 def test_single_prompt_gives_one_answer(server, demo_llama):
     answer = server.generate({"prompt": PROMPTS[0]} | GREEDY)
-    expected = generate.text_completion(demo_llama.model, demo_llama.tokenizer, PROMPTS[:1], 24, temperature=0)[0]
+    expected = demo_llama.text_completion(PROMPTS[:1], 24, temperature=0)[0]
     assert answer == expected
     assert set(answer) == {"generation", "finish_reason", "usage"}
 
 
 def test_chat_matches_in_process(server, demo_llama):
     answer = server.generate({"dialog": DIALOG} | GREEDY)
-    expected = generate.chat_completion(demo_llama.model, demo_llama.tokenizer, [DIALOG], 24, temperature=0)[0]
+    expected = demo_llama.chat_completion([DIALOG], 24, temperature=0)[0]
     assert answer == expected
     assert answer["generation"]["role"] == "assistant"
     assert server.generate({"messages": DIALOG} | GREEDY) == answer
@@ -43,7 +42,7 @@ def test_chat_matches_in_process(server, demo_llama):
 def test_logprobs_and_echo(server, demo_llama):
     body = {"prompt": PROMPTS[1], "logprobs": True, "echo": True} | GREEDY
     answer = server.generate(body)
-    expected = generate.text_completion(demo_llama.model, demo_llama.tokenizer, PROMPTS[1:], 24, temperature=0,
+    expected = demo_llama.text_completion(PROMPTS[1:], 24, temperature=0,
                                         logprobs=True, echo=True)[0]
     assert answer["generation"] == expected["generation"]
     assert answer["generation"].startswith(PROMPTS[1])

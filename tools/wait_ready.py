@@ -45,7 +45,8 @@ def wait(url: str, key_file: str, timeout: float) -> str:
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(2)
-    sys.exit(f"TorchServe did not answer within {timeout:.0f} s (last: {status} {text[:300]}); see logs/model_log.log")
+    raise TimeoutError(f"TorchServe did not answer within {timeout:.0f} s (last: {status} {text[:300]}); "
+                       "see logs/model_log.log")
 
 
 EXAMPLES = [
@@ -73,7 +74,10 @@ def main():
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--examples", action="store_true")
     a = ap.parse_args()
-    key = wait(a.url, os.path.abspath(a.key_file), a.timeout)
+    try:
+        key = wait(a.url, os.path.abspath(a.key_file), a.timeout)
+    except TimeoutError as e:
+        sys.exit(str(e))
     if a.examples:
         show_examples(a.url, key)
 
