@@ -7,6 +7,7 @@ import math
 import time
 from dataclasses import dataclass, field, fields
 
+import chat_format
 import generate
 from generate import SamplingParams, Sequence
 
@@ -175,9 +176,10 @@ def get_dialog(body: dict, name: str, limits: Limits) -> list:
     if isinstance(dialog, list) and len(dialog) > limits.max_messages:
         raise RequestError(f"{name} holds {len(dialog)} messages, the limit is {limits.max_messages}", name)
     try:
-        return generate.validate_dialog(dialog)
+        chat_format.check_messages(dialog)
     except ValueError as e:
         raise RequestError(str(e).replace("dialog", name), name) from None
+    return dialog
 
 
 def type_name(value) -> str:
@@ -239,7 +241,10 @@ def sequences(req: Request, tokenizer, max_seq_len: int, limits: Limits,
     for i, item in enumerate(req.inputs):
         where = param if len(req.inputs) == 1 or req.chat else f"{param}[{i}]"
         check_text(item, where, where)
-        tokens = generate.encode_dialog(tokenizer, item) if req.chat else tokenizer.encode(item, bos=True, eos=False)
+        try:
+            tokens = chat_format.encode_dialog(tokenizer, item) if req.chat else tokenizer.encode(item, bos=True, eos=False)
+        except ValueError as e:  # a rule of the chat format
+            raise RequestError(str(e).replace("dialog", param), param) from None
         if len(tokens) > prompt_limit:
             raise RequestError(f"{where} has {len(tokens)} tokens, the limit is {prompt_limit}", where)
         room = max_seq_len - len(tokens)

@@ -2,6 +2,7 @@
 size) and Hugging Face's (config.json + *.safetensors). Both are read through memory maps,
 so a rank touches only the slices it keeps; nothing is unpickled beyond plain tensors."""
 
+import dataclasses
 import glob
 import json
 import os
@@ -72,19 +73,28 @@ META_ARGS = {"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple
              "ffn_dim_multiplier", "norm_eps", "rope_theta", "max_batch_size", "max_seq_len"}
 
 # The dim along which fairscale's model parallelism splits each weight; absent: replicated.
+# tok_embeddings: Llama 2 splits it over dim 1, Llama 3 over the vocabulary (dim 0); see
+# MetaCheckpoint.split_dim.
 MP_SPLIT_DIM = {"tok_embeddings": 1, "output": 0, "wq": 0, "wk": 0, "wv": 0, "wo": 1,
                 "w1": 0, "w3": 0, "w2": 1}
+
+# Meta's constants for use_scaled_rope (llama-models' apply_scaling); the factor may be
+# given in params.json as rope_scaling_factor (Llama 3.2 1B/3B were trained with 32).
+META_ROPE_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192}
 
 
 def meta_model_args(params: dict, path: str) -> dict:
     params = dict(params)
-    if params.pop("use_scaled_rope", False):
-        raise CheckpointError(f"{path}: use_scaled_rope (Llama 3.1 RoPE scaling) is not implemented")
+    scaled = params.pop("use_scaled_rope", False)
+    factor = params.pop("rope_scaling_factor", None)
     unknown = set(params) - META_ARGS
     if unknown:
         raise CheckpointError(f"{path}: unsupported parameters {sorted(unknown)}")
     params.pop("max_batch_size", None)
     params.pop("max_seq_len", None)
+    if scaled:
+        params["rope_scaling"] = META_ROPE_SCALING | ({"factor": float(factor)} if factor else {})
     return params
 
 
@@ -103,15 +113,19 @@ class MetaCheckpoint(Checkpoint):
                 raise CheckpointError(f"missing shard {expected} (found {[os.path.basename(p) for p in paths]})")
         self.paths = paths
         self.shards = [load_pth(p) for p in paths]
+        # Llama 3.2 1B/3B tie the output projection to the embedding
+        self.tied = "output.weight" not in self.shards[0] and "tok_embeddings.weight" in self.shards[0]
+        self.model_args["tie_word_embeddings"] = self.tied
 
     def tensor(self, piece: Piece) -> torch.Tensor:
+        if self.tied and piece.name == "output.weight":
+            piece = dataclasses.replace(piece, name="tok_embeddings.weight")
         parts = []
         for path, shard in zip(self.paths, self.shards):
             if piece.name not in shard:
                 raise CheckpointError(f"tensor {piece.name} is missing from {path}")
             parts.append(shard[piece.name])
-        kind = piece.name.split(".")[-2]
-        split = MP_SPLIT_DIM.get(kind)
+        split = self.split_dim(piece, parts)
         if split is None:
             for path, part in zip(self.paths, parts):
                 check_shape(piece, part.shape, path)
@@ -132,6 +146,13 @@ class MetaCheckpoint(Checkpoint):
                                       f"needs {tuple(shard_shape)} per shard of {len(parts)} (full {piece.shape})"
                                       + hint)
         return slice_of_concatenation(parts, split, piece)
+
+    @staticmethod
+    def split_dim(piece: Piece, parts: list[torch.Tensor]) -> int | None:
+        kind = piece.name.split(".")[-2]
+        if kind == "tok_embeddings" and len(parts) > 1 and parts[0].shape[0] * len(parts) == piece.shape[0]:
+            return 0  # Llama 3's VocabParallelEmbedding
+        return MP_SPLIT_DIM.get(kind)
 
 
 def load_pth(path: str) -> dict:
@@ -189,18 +210,35 @@ def hf_model_args(config: dict, path: str) -> dict:
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag):
             refuse(flag)
-    rope = config.get("rope_parameters") or {}  # transformers 5 keeps rope_theta here
-    if config.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        refuse(f"rope scaling {config.get('rope_scaling') or rope}")
+    rope_theta, rope_scaling = hf_rope(config, refuse)
     dim, n_heads = config["hidden_size"], config["num_attention_heads"]
     if config.get("head_dim") not in (None, dim // n_heads):
         refuse(f"head_dim {config['head_dim']} != hidden_size / num_attention_heads")
     return {"dim": dim, "n_layers": config["num_hidden_layers"], "n_heads": n_heads,
             "n_kv_heads": config.get("num_key_value_heads") or n_heads,
             "vocab_size": config["vocab_size"], "intermediate_size": config["intermediate_size"],
-            "norm_eps": config.get("rms_norm_eps", 1e-6),
-            "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+            "norm_eps": config.get("rms_norm_eps", 1e-6), "rope_theta": rope_theta, "rope_scaling": rope_scaling,
+            "max_position_embeddings": config.get("max_position_embeddings"),
             "tie_word_embeddings": bool(config.get("tie_word_embeddings", False))}
+
+
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def hf_rope(config: dict, refuse) -> tuple[float, dict | None]:
+    """(theta, llama3 scaling or None) from config.json: the Hub's rope_scaling and
+    rope_theta, or transformers 5's rope_parameters."""
+    rope = (config.get("rope_parameters") or {}) | (config.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        refuse(f"rope scaling of type {rope_type!r}")
+    missing = [k for k in LLAMA3_ROPE_KEYS if k not in rope]
+    if missing:
+        refuse(f"rope scaling llama3 without {missing}")
+    return theta, {k: rope[k] for k in LLAMA3_ROPE_KEYS}
 
 
 class HFCheckpoint(Checkpoint):

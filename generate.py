@@ -1,7 +1,7 @@
-"""Generation: sampling, the Llama-2 chat layout, and an Engine that decodes many
-sequences together, each in its own KV-cache row, so that sequences can join and leave
-between steps (continuous batching). generate/text_completion/chat_completion run a
-whole batch through it with the semantics of Meta's reference code."""
+"""Generation: sampling and an Engine that decodes many sequences together, each in its
+own KV-cache row, so that sequences can join and leave between steps (continuous
+batching). generate/text_completion/chat_completion run a whole batch through it with the
+semantics of Meta's reference code."""
 
 import heapq
 from dataclasses import dataclass, field
@@ -10,6 +10,9 @@ from typing import Literal, TypedDict
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+import chat_format
+from tokenizer import TextStream
 
 Role = Literal["system", "user", "assistant"]
 
@@ -36,12 +39,6 @@ class ChatPrediction(TypedDict, total=False):
 
 
 Dialog = list[Message]
-
-B_INST, E_INST = "[INST]", "[/INST]"
-B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
-SPECIAL_TAGS = [B_INST, E_INST, "<<SYS>>", "<</SYS>>"]
-ROLES = ("system", "user", "assistant")
-
 
 def sample_top_p(probs: torch.Tensor, p: float, generator: torch.Generator | None = None) -> torch.Tensor:
     """Sample from the smallest set of most probable tokens whose probability reaches p
@@ -78,7 +75,8 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
-    text: str = ""  # decoded generation, cut before a stop string
+    stream: TextStream | None = None  # turns tokens into text (set by Engine.add)
+    text: str = ""  # the generation's text so far, cut before a stop string
     finish_reason: str | None = None
     emitted: int = 0  # characters of text already handed out by new_text()
 
@@ -91,9 +89,22 @@ class Sequence:
         """Tokens whose keys and values are in the cache; the last sampled one is not yet."""
         return len(self.prompt_tokens) + len(self.tokens) - 1
 
+    def add_text(self, piece: str):
+        """Append decoded text; a stop string in it ends the generation, cut before it.
+        Only the text a stop string could end in is searched."""
+        if not piece or self.finish_reason == "stop":
+            return
+        longest = max(map(len, self.params.stop), default=0)
+        start = max(0, len(self.text) - longest + 1)
+        self.text += piece
+        cut = min((i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]
+            self.finish_reason = "stop"
+
     def new_text(self) -> str:
         """Text produced since the last call. While running, holds back what could still
-        turn out to be the start of a stop string, or half of a multi-byte character."""
+        turn out to be the start of a stop string."""
         end = len(self.text)
         if not self.done:
             end -= held_back(self.text, self.params.stop)
@@ -103,14 +114,11 @@ class Sequence:
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
-    # an unfinished character of up to 4 bytes decodes as one U+FFFD per byte so far
-    n = min(3, len(text) - len(text.rstrip("\ufffd")))
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), n, -1):
-            if text.endswith(stop[:k]):
-                n = k
-                break
-    return n
+    """How many characters at the end of text could be the start of a stop string."""
+    for k in range(min(max(map(len, stops), default=1) - 1, len(text)), 0, -1):
+        if any(stop.startswith(text[-k:]) for stop in stops):
+            return k
+    return 0
 
 
 class Engine:
@@ -147,7 +155,8 @@ class Engine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
-        seq = Sequence(list(prompt_tokens), params, heapq.heappop(self.free_slots), generator)
+        seq = Sequence(list(prompt_tokens), params, heapq.heappop(self.free_slots), generator,
+                       stream=TextStream(self.tokenizer, prompt_tokens))
         self.sequences[seq.slot] = seq
         tokens = torch.tensor([seq.prompt_tokens], device=self.device)
         logits = self.model(tokens, 0, slot=seq.slot)[0]
@@ -198,19 +207,18 @@ class Engine:
         return sample_top_p(probs[None], p.top_p, seq.generator)[0, 0]
 
     def _append(self, seq: Sequence, token: int, logprob: float | None):
-        if token == self.tokenizer.eos_id:
+        if token in self.tokenizer.stop_ids:
+            seq.add_text(seq.stream.flush())
             seq.finish_reason = "stop"
             return
         seq.tokens.append(token)
         if logprob is not None:
             seq.logprobs.append(logprob)
-        seq.text = self.tokenizer.decode(seq.tokens)
-        cut = min((i for i in (seq.text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            seq.text = seq.text[:cut]
-            seq.finish_reason = "stop"
-        elif len(seq.tokens) >= seq.params.max_gen_len:
-            seq.finish_reason = "length"
+        seq.add_text(seq.stream.add(token))
+        if not seq.done and len(seq.tokens) >= seq.params.max_gen_len:
+            seq.add_text(seq.stream.flush())
+            if not seq.done:
+                seq.finish_reason = "length"
 
 
 def run_to_completion(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
@@ -264,7 +272,7 @@ def prediction(seq: Sequence, tokenizer, generation) -> dict:
            "usage": {"prompt_tokens": len(seq.prompt_tokens), "completion_tokens": len(seq.tokens)}}
     if seq.params.logprobs:
         tokens = (seq.prompt_tokens if seq.params.echo else []) + seq.tokens
-        out["tokens"] = [tokenizer.decode([t]) for t in tokens]
+        out["tokens"] = [tokenizer.token_str(t) for t in tokens]
         out["logprobs"] = (seq.prompt_logprobs if seq.params.echo else []) + seq.logprobs
     return out
 
@@ -286,51 +294,10 @@ def text_completion(model, tokenizer, prompts: list[str], max_gen_len=None, temp
 @torch.inference_mode()
 def chat_completion(model, tokenizer, dialogs: list[Dialog], max_gen_len=None, temperature: float = 0.6,
                     top_p: float = 0.9, logprobs: bool = False, **options) -> list[ChatPrediction]:
-    """Answer each dialog as the assistant, in the Llama-2 chat layout (encode_dialog)."""
-    prompt_tokens = [encode_dialog(tokenizer, d) for d in dialogs]
+    """Answer each dialog as the assistant, in the checkpoint's chat format (chat_format.py)."""
+    prompt_tokens = [chat_format.encode_dialog(tokenizer, d) for d in dialogs]
     engine = Engine(model, tokenizer)
     params = sampling_params(prompt_tokens, engine.max_seq_len, max_gen_len, temperature=temperature,
                              top_p=top_p, logprobs=logprobs, **options)
     seqs = run_to_completion(engine, prompt_tokens, params)
     return [prediction(s, tokenizer, {"role": "assistant", "content": s.text}) for s in seqs]
-
-
-def validate_dialog(dialog) -> list[Message]:
-    """Check a dialog against the Llama-2 chat rules; ValueError names the first broken one."""
-    if not isinstance(dialog, list) or not dialog:
-        raise ValueError("dialog must be a non-empty list of messages")
-    for i, msg in enumerate(dialog):
-        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
-            raise ValueError(f"dialog[{i}] must be an object with 'role' and 'content'")
-        if msg["role"] not in ROLES:
-            raise ValueError(f"dialog[{i}].role must be one of {', '.join(ROLES)}, got {msg['role']!r}")
-        if not isinstance(msg["content"], str):
-            raise ValueError(f"dialog[{i}].content must be a string")
-        for tag in SPECIAL_TAGS:
-            if tag in msg["content"]:
-                raise ValueError(f"dialog[{i}].content contains the special tag {tag}")
-    first = 1 if dialog[0]["role"] == "system" else 0
-    for i in range(first, len(dialog)):
-        expected = "user" if (i - first) % 2 == 0 else "assistant"
-        if dialog[i]["role"] != expected:
-            rule = ("a system message may only come first" if dialog[i]["role"] == "system"
-                    else "roles must alternate user/assistant, starting with user")
-            raise ValueError(f"dialog[{i}].role is {dialog[i]['role']!r} where {expected!r} was expected: {rule}")
-    if dialog[-1]["role"] != "user":
-        raise ValueError(f"the dialog must end with a user message, not {dialog[-1]['role']!r}")
-    return dialog
-
-
-def encode_dialog(tokenizer, dialog: Dialog) -> list[int]:
-    """Meta's Llama-2 chat layout: a leading system message goes into the first user turn
-    between <<SYS>> tags; each finished exchange is BOS [INST] user [/INST] answer EOS, and
-    the last user turn is BOS [INST] user [/INST]."""
-    dialog = validate_dialog(dialog)
-    if dialog[0]["role"] == "system":
-        dialog = [{"role": "user", "content": B_SYS + dialog[0]["content"] + E_SYS + dialog[1]["content"]}] + dialog[2:]
-    tokens = []
-    for prompt, answer in zip(dialog[::2], dialog[1::2]):
-        tokens += tokenizer.encode(f"{B_INST} {prompt['content'].strip()} {E_INST} {answer['content'].strip()} ",
-                                   bos=True, eos=True)
-    tokens += tokenizer.encode(f"{B_INST} {dialog[-1]['content'].strip()} {E_INST}", bos=True, eos=False)
-    return tokens

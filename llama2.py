@@ -30,6 +30,8 @@ class ModelArgs:
     rope_theta: float = 10000.0
     intermediate_size: int | None = None  # explicit SwiGLU width (Hugging Face); None: Meta's rule
     tie_word_embeddings: bool = False
+    rope_scaling: dict | None = None  # Llama 3.1's: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    max_position_embeddings: int | None = None  # the positions the model knows; None: not given
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -51,7 +53,7 @@ class ModelArgs:
 
 
 ARCHITECTURE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim",
-                       "norm_eps", "rope_theta")
+                       "norm_eps", "rope_theta", "rope_scaling")
 
 
 def meta_ffn_hidden_dim(hidden_dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
@@ -72,11 +74,26 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0) -> torch.Tensor:
+def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0, rope_scaling: dict | None = None) -> torch.Tensor:
     freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+    if rope_scaling is not None:
+        freqs = llama3_scaled_freqs(freqs, **rope_scaling)
     t = torch.arange(end, dtype=torch.float32)
     freqs = torch.outer(t, freqs)
     return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def llama3_scaled_freqs(freqs: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                        original_max_position_embeddings: int) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling: wavelengths longer than the original context / low_freq_factor
+    are stretched by factor, those shorter than context / high_freq_factor kept, and the
+    ones between blended smoothly."""
+    context = original_max_position_embeddings
+    wavelen = 2 * torch.pi / freqs
+    smooth = (context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * freqs / factor + smooth * freqs
+    scaled = torch.where(wavelen > context / low_freq_factor, freqs / factor, blended)
+    return torch.where(wavelen < context / high_freq_factor, freqs, scaled)
 
 
 def rotate(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
@@ -260,7 +277,10 @@ class Transformer(nn.Module):
         p.max_batch_size = max_batch_size or p.max_batch_size
         p.max_seq_len = max_seq_len or p.max_seq_len
         weight = self.tok_embeddings.weight
-        self.freqs_cis = precompute_freqs_cis(p.head_dim, p.max_seq_len, p.rope_theta).to(weight.device)
+        if p.max_position_embeddings and p.max_seq_len > p.max_position_embeddings:
+            raise ValueError(f"max_seq_len {p.max_seq_len} exceeds the {p.max_position_embeddings} positions "
+                             "the model was trained for (max_position_embeddings)")
+        self.freqs_cis = precompute_freqs_cis(p.head_dim, p.max_seq_len, p.rope_theta, p.rope_scaling).to(weight.device)
         for layer in self.layers:
             layer.attention.setup_cache(p.max_batch_size, p.max_seq_len, weight.dtype, weight.device)
 
@@ -440,9 +460,11 @@ def tp_llama(model_args, checkpoint_path, tokenizer_path, world_size, dtype: tor
     max_batch_size and max_seq_len, when given, size the KV cache instead of model_args."""
     device = init_distributed(world_size)
     rank, _ = tp_world()
-    tokenizer = Tokenizer(tokenizer_path)
+    tokenizer = Tokenizer(tokenizer_path or checkpoint_path)  # a file, or a folder that holds one
     reader = checkpoint.open_checkpoint(checkpoint_path)
     args = resolve_model_args(model_args, reader.model_args, tokenizer)
+    if max_seq_len is None and model_args is None and args.max_position_embeddings:
+        args.max_seq_len = min(args.max_seq_len, args.max_position_embeddings)  # the default, capped
     if args.vocab_size < tokenizer.n_words:
         raise ValueError(f"the tokenizer has {tokenizer.n_words} tokens, the model only {args.vocab_size}")
     if dtype is None:

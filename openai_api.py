@@ -96,7 +96,7 @@ def completion_logprobs(seq: Sequence, tokenizer) -> dict:
     values = (seq.prompt_logprobs if seq.params.echo else []) + seq.logprobs
     if prompt:
         values = [None] + values[1:]  # nothing predicts the first token
-    pieces = [tokenizer.decode([t]) for t in tokens]
+    pieces = [tokenizer.token_str(t) for t in tokens]
     offsets, at = [], 0
     for piece in pieces:
         offsets.append(at)
@@ -107,8 +107,8 @@ def completion_logprobs(seq: Sequence, tokenizer) -> dict:
 def chat_logprobs(seq: Sequence, tokenizer) -> dict:
     content = []
     for token, value in zip(seq.tokens, seq.logprobs):
-        piece = tokenizer.decode([token])
-        content.append({"token": piece, "logprob": value, "bytes": list(piece.encode()), "top_logprobs": []})
+        content.append({"token": tokenizer.token_str(token), "logprob": value,
+                        "bytes": list(tokenizer.token_bytes(token)), "top_logprobs": []})
     return {"content": content}
 
 

@@ -104,6 +104,7 @@ def parity(dry: bool) -> bool:
 class NullTokenizer:
     """generate.generate needs a tokenizer: no EOS (exactly 64 new tokens), nothing to decode."""
     eos_id = -1
+    stop_ids = frozenset()
 
     @staticmethod
     def decode(tokens):

@@ -36,6 +36,7 @@ BATCHES = (1, 8)
 class NoEos:
     """The tokenizer with EOS switched off, so that every run generates exactly NEW tokens."""
     eos_id = -1
+    stop_ids = frozenset()
 
     def __init__(self, tokenizer):
         self.decode = tokenizer.decode

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import api
+import chat_format
 import generate
 import openai_api
 from api import Defaults, Limits, RequestError
@@ -137,8 +138,8 @@ def accepted(req: api.Request, prepared, tokenizer, limits: Limits, max_seq_len:
     prompt_limit = min(limits.max_prompt_tokens or max_seq_len - 1, max_seq_len - 1)
     for item, (tokens, params) in zip(req.inputs, prepared):
         if req.chat:
-            assert generate.validate_dialog(item) and len(item) <= limits.max_messages
-            assert tokens == generate.encode_dialog(tokenizer, item)
+            assert chat_format.validate_llama2(item) and len(item) <= limits.max_messages
+            assert tokens == chat_format.encode_dialog(tokenizer, item)
         else:
             assert tokens == tokenizer.encode(item, bos=True, eos=False)
         assert 1 <= len(tokens) <= prompt_limit

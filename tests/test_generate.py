@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import chat_format
 import generate as G
 import llama2
 
@@ -47,6 +48,11 @@ def hf_greedy(hf, prompt: list[int], n: int, eos_id: int) -> list[int]:
                       do_sample=False, max_new_tokens=n, eos_token_id=eos_id, pad_token_id=eos_id)
     new = out[0, len(prompt):].tolist()
     return new[:new.index(eos_id)] if eos_id in new else new
+
+
+def continuation(tok, prompt: list[int], new: list[int]) -> str:
+    """The exact text new tokens add to a prompt: what prompt + new decode to, minus the prompt's text."""
+    return tok.decode(prompt + new)[len(tok.decode(prompt)):]
 
 
 @torch.no_grad()
@@ -190,7 +196,7 @@ def test_row_stops_at_eos(mha):
     row0 = greedy[0]
     cut = next(i for i in range(3, N_NEW) if row0[i] not in row0[:i])
     eos_tok = copy.copy(tok)
-    eos_tok.eos_id = row0[cut]
+    eos_tok.eos_id, eos_tok.stop_ids = row0[cut], frozenset([row0[cut]])
     tokens, logprobs = G.generate(llama.model, prompts, N_NEW, temperature=0, logprobs=True, tokenizer=eos_tok)
     assert tokens[0] == row0[:cut]
     for prompt, got, lp in zip(prompts, tokens, logprobs):
@@ -199,7 +205,7 @@ def test_row_stops_at_eos(mha):
     out = G.text_completion(llama.model, eos_tok, PROMPTS, N_NEW, temperature=0)
     assert out[0]["finish_reason"] == "stop"
     assert out[0]["usage"]["completion_tokens"] == cut
-    assert out[0]["generation"] == tok.decode(row0[:cut])
+    assert out[0]["generation"] == continuation(tok, prompts[0], row0[:cut])
 
 
 def test_limits_raise_value_error(mha):
@@ -227,7 +233,7 @@ def test_limits_raise_value_error(mha):
     out = G.text_completion(llama.model, tok, PROMPTS, None, temperature=0)
     for prompt, o, t, n in zip(prompts, out, tokens, room):
         assert o["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(t)}
-        assert o["generation"] == tok.decode(t)
+        assert o["generation"] == continuation(tok, prompt, t)
         assert (o["finish_reason"], len(t)) == ("length", n) or o["finish_reason"] == "stop" and len(t) < n
 
 
@@ -241,13 +247,13 @@ def test_text_completion_greedy_echo_logprobs_usage(mha):
     plain = G.text_completion(llama.model, tok, PROMPTS, N_NEW, temperature=0)
     full = G.text_completion(llama.model, tok, PROMPTS, N_NEW, temperature=0, logprobs=True, echo=True)
     for text, prompt, t, lp, p, f in zip(PROMPTS, prompts, tokens, logprobs, plain, full):
-        assert p["generation"] == tok.decode(t)
+        assert p["generation"] == continuation(tok, prompt, t)
         assert "tokens" not in p and "logprobs" not in p
         assert p["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(t)}
         assert p["finish_reason"] == ("length" if len(t) == N_NEW else "stop")
         assert f["generation"] == text + p["generation"]
         assert len(f["tokens"]) == len(f["logprobs"]) == len(prompt) + len(t)
-        assert f["tokens"] == [tok.decode([i]) for i in prompt + t]
+        assert f["tokens"] == [tok.token_str(i) for i in prompt + t]
         assert f["logprobs"][0] == 0.0 and f["logprobs"][len(prompt):] == lp
 
 
@@ -259,11 +265,11 @@ def test_per_prompt_max_gen_len(mha):
     greedy, _ = G.generate(llama.model, prompts, max(lengths), temperature=0, tokenizer=tok)
     tokens, _ = G.generate(llama.model, prompts, lengths, temperature=0, tokenizer=tok)
     out = G.text_completion(llama.model, tok, PROMPTS, lengths, temperature=0)
-    for n, g, t, o in zip(lengths, greedy, tokens, out):
+    for prompt, n, g, t, o in zip(prompts, lengths, greedy, tokens, out):
         assert t == g[:n]
         assert o["usage"]["completion_tokens"] == len(t)
         assert o["finish_reason"] == ("length" if len(t) == n else "stop")
-        assert o["generation"] == tok.decode(t)
+        assert o["generation"] == continuation(tok, prompt, t)
 
 
 def test_seed_reproduces(mha):
@@ -306,14 +312,14 @@ def test_top_k_and_tiny_top_p(mha):
     assert len(set(ranks)) > 1  # and not only the most probable one
 
 
-def boundary_stop(tok, tokens: list[int]) -> tuple[str, int]:
+def boundary_stop(tok, prompt: list[int], tokens: list[int]) -> tuple[str, int]:
     """A stop string that straddles a token boundary inside the greedy text (so that a
     streaming client would see its first half before the second), and where it starts."""
-    text = tok.decode(tokens)
+    text = continuation(tok, prompt, tokens)
     for k in range(2, len(tokens) - 1):
-        end = len(tok.decode(tokens[:k]))
+        end = len(continuation(tok, prompt, tokens[:k]))
         stop = text[end - 2:end + 2]
-        if (text.startswith(tok.decode(tokens[:k])) and end > 2 and len(stop) == 4
+        if (text.startswith(continuation(tok, prompt, tokens[:k])) and end > 2 and len(stop) == 4
                 and text.find(stop) == end - 2 and stop.strip() == stop and "\ufffd" not in stop):
             return stop, end - 2
     raise AssertionError(f"no usable stop string in {text!r}")
@@ -324,8 +330,8 @@ def test_stop_strings(mha):
     tok = llama.tokenizer
     prompts = encode_all(tok)
     greedy, _ = G.generate(llama.model, prompts, N_NEW, temperature=0, tokenizer=tok)
-    stops = [boundary_stop(tok, g) for g in greedy]
-    texts = [tok.decode(g) for g in greedy]
+    stops = [boundary_stop(tok, p, g) for p, g in zip(prompts, greedy)]
+    texts = [continuation(tok, p, g) for p, g in zip(prompts, greedy)]
     for i, (stop, at) in enumerate(stops):
         out = G.text_completion(llama.model, tok, PROMPTS, N_NEW, temperature=0, stop=[stop])
         assert out[i]["generation"] == texts[i][:at]
@@ -380,7 +386,7 @@ DIALOGS = [
 @pytest.mark.parametrize("dialog", DIALOGS, ids=["user", "system", "turns", "system+turns"])
 def test_encode_dialog_layout(mha, dialog):
     tok = mha[1].tokenizer
-    ids = G.encode_dialog(tok, dialog)
+    ids = chat_format.encode_dialog(tok, dialog)
     want, texts = meta_layout(tok, dialog)
     assert ids == want
     # BOS and EOS are the special ids, one BOS per exchange and one EOS per finished one
@@ -433,7 +439,7 @@ BROKEN = [
 def test_broken_dialogs_raise(mha, dialog, message):
     _, llama = mha
     with pytest.raises(ValueError) as err:
-        G.encode_dialog(llama.tokenizer, dialog)
+        chat_format.encode_dialog(llama.tokenizer, dialog)
     assert message in str(err.value)
     good = [msg("user", "fine")]
     with pytest.raises(ValueError, match="dialog"):  # a whole batch is refused before any work
@@ -445,7 +451,7 @@ def test_broken_dialog_messages_are_distinct(mha):
     messages = set()
     for dialog, _ in BROKEN:
         with pytest.raises(ValueError) as err:
-            G.encode_dialog(tok, dialog)
+            chat_format.encode_dialog(tok, dialog)
         messages.add(str(err.value))
     assert len(messages) >= 12
 
@@ -454,13 +460,13 @@ def test_chat_completion(mha):
     _, llama = mha
     tok = llama.tokenizer
     dialogs = DIALOGS[:3]
-    prompts = [G.encode_dialog(tok, d) for d in dialogs]
+    prompts = [chat_format.encode_dialog(tok, d) for d in dialogs]
     tokens, logprobs = G.generate(llama.model, prompts, 8, temperature=0, logprobs=True, tokenizer=tok)
     out = G.chat_completion(llama.model, tok, dialogs, 8, temperature=0, logprobs=True)
     for o, p, t, lp in zip(out, prompts, tokens, logprobs):
-        assert o["generation"] == {"role": "assistant", "content": tok.decode(t)}
+        assert o["generation"] == {"role": "assistant", "content": continuation(tok, p, t)}
         assert o["usage"] == {"prompt_tokens": len(p), "completion_tokens": len(t)}
-        assert o["tokens"] == [tok.decode([i]) for i in t] and o["logprobs"] == lp
+        assert o["tokens"] == [tok.token_str(i) for i in t] and o["logprobs"] == lp
 
 
 # --- Engine: continuous batching -------------------------------------------------------------
@@ -541,8 +547,8 @@ def test_new_text_streams_without_stop_prefixes(mha):
     greedy_tokens, _ = G.generate(llama.model, prompts, N_NEW, temperature=0, tokenizer=tok)
     eng = G.Engine(llama.model, tok)
     for prompt, g in zip(prompts, greedy_tokens):
-        full = tok.decode(g)
-        stop, at = boundary_stop(tok, g)
+        full = continuation(tok, prompt, g)
+        stop, at = boundary_stop(tok, prompt, g)
         seq = eng.add(prompt, greedy(stop=(stop,)))
         moments = []
         pieces = stream(eng, seq, moments)
@@ -588,6 +594,6 @@ def test_new_text_holds_back_unfinished_characters(mha):
     seq = eng.add(prompt, greedy(n=len(ids) + 5))
     pieces = stream(eng, seq)
     assert seq.tokens == ids and seq.finish_reason == "stop"
-    assert "".join(pieces) == seq.text == tok.decode(ids)
+    assert "".join(pieces) == seq.text == continuation(tok, prompt, ids)
     if "\ufffd" not in seq.text:
         assert not any("\ufffd" in p for p in pieces), pieces

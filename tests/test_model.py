@@ -324,8 +324,8 @@ def test_unsupported_meta_params_are_refused(checkpoints, tmp_path):
     with open(params_path) as f:
         params = json.load(f)
     with open(params_path, "w") as f:
-        json.dump({**params, "use_scaled_rope": True}, f)
-    with pytest.raises(checkpoint.CheckpointError, match=rf"{params_path}: use_scaled_rope"):
+        json.dump({**params, "vision_chunk_size": 560}, f)  # Llama 3.2 Vision
+    with pytest.raises(checkpoint.CheckpointError, match=rf"{params_path}: unsupported parameters \['vision_chunk_size'\]"):
         load(folder)
 
 

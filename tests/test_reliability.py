@@ -19,6 +19,7 @@ import pytest
 import requests
 import torch
 
+import chat_format
 import generate
 from conftest import ROOT, SERVER_SLOTS, start_demo_server
 
@@ -481,7 +482,7 @@ def test_sustained_mixed_load(server, demo_llama):
     for i, (got,) in answers.items():
         spec, want = specs[i], expected[i]
         tokenizer = demo_llama.tokenizer
-        prompt_tokens = len(generate.encode_dialog(tokenizer, [{"role": "user", "content": spec["prompt"]}])
+        prompt_tokens = len(chat_format.encode_dialog(tokenizer, [{"role": "user", "content": spec["prompt"]}])
                             if spec["chat"] else tokenizer.encode(spec["prompt"], bos=True, eos=False))
         usage = got["usage"]
         n = usage["completion_tokens"]

@@ -22,6 +22,7 @@ import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import chat_format  # noqa: E402
 import generate  # noqa: E402
 import llama2  # noqa: E402
 from make_checkpoint import save_meta  # noqa: E402
@@ -109,7 +110,7 @@ def dialog(rng: random.Random, name: str, text: str) -> list[dict]:
 def encode_exchange(tokenizer, turns: list[dict]) -> list[int]:
     """BOS [INST] user [/INST] answer EOS, exactly as encode_dialog lays out a finished exchange:
     it only encodes dialogs that end with a user turn, so add one and cut it off again."""
-    tokens = generate.encode_dialog(tokenizer, turns + [{"role": "user", "content": "?"}])
+    tokens = chat_format.encode_dialog(tokenizer, turns + [{"role": "user", "content": "?"}])
     return tokens[:len(tokens) - 1 - tokens[::-1].index(tokenizer.bos_id)]
 
 
