@@ -63,3 +63,68 @@ def demo_llama():
 
     return tp_llama(None, DEMO, os.path.join(DEMO, "tokenizer.model"), 1, max_batch_size=SERVER_SLOTS,
                     max_seq_len=SERVER_MAX_SEQ_LEN)
+
+
+# --- Llama 3: tiny checkpoints with a byte-level BPE trained here --------------------------
+
+LLAMA3_RANKS = 512  # 256 bytes + 256 merges; with Llama 3's 256 special tokens, 768 ids
+# A chat template written for these tests in the style of Llama 3's (bos_token, trimmed
+# content, headers, the date from strftime_now, raise_exception, namespace), rendered by
+# transformers as the reference.
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- set ns = namespace(system='') %}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set ns.system = messages[0]['content'] | trim %}"
+    "{%- set messages = messages[1:] %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{{- 'Today Date: ' + strftime_now('%d %b %Y') + '\\n\\n' + ns.system + '<|eot_id|>' }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['user', 'assistant'] %}"
+    "{{- raise_exception('Only user and assistant roles are supported after the system message') }}"
+    "{%- endif %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+# name: (dim, layers, heads, kv_heads, tie, rope_theta, rope_scaling, layouts)
+LLAMA3_CONFIGS = {
+    # scaling from 16 positions on: it changes the logits of a 100-token input everywhere
+    "scaled16": (64, 2, 8, 2, False, 500000.0, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                 "original_max_position_embeddings": 16}, ("hf",)),
+    # Meta's constants (what use_scaled_rope means) with 3.2's factor 32; a small theta makes
+    # them matter within 100 positions
+    "meta_untied": (64, 2, 8, 2, False, 10000.0, {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 8192}, ("hf", "meta:2")),
+    "meta_tied": (64, 2, 8, 2, True, 10000.0, {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 8192}, ("hf", "meta:2")),
+}
+
+
+def llama3_training_text() -> str:
+    """Stable English (the standard library's docstrings) and some other scripts."""
+    import argparse
+    import json
+    import re
+    import string
+    import textwrap
+
+    return "".join(m.__doc__ for m in (re, json, argparse, string, textwrap)) + \
+        "Größe, naïve café, 日本語のテキスト, Ελληνικά, emoji 😀🦙 and tabs\tand   spaces.\n" * 3
+
+
+@pytest.fixture(scope="session")
+def llama3(tmp_path_factory):
+    """{name: (transformers reference model, {layout: folder})} for LLAMA3_CONFIGS, with
+    Llama 3 tokenizers: Meta's tokenizer.model in Meta folders, tokenizer.json (+ the chat
+    template) in Hugging Face folders."""
+    ranks = make_checkpoint.train_llama3_ranks(llama3_training_text(), LLAMA3_RANKS)
+    ids = make_checkpoint.llama3_ids(LLAMA3_RANKS)
+    out = {}
+    for name, (dim, layers, heads, kv, tie, theta, scaling, layouts) in LLAMA3_CONFIGS.items():
+        model = make_checkpoint.random_hf_model(
+            dim, layers, heads, kv, LLAMA3_RANKS + 256, tie=tie, rope_theta=theta, rope_scaling=scaling,
+            seed=len(name), max_positions=512, bos_id=ids["<|begin_of_text|>"],
+            eos_id=[ids[t] for t in make_checkpoint.LLAMA3_STOPS])
+        folders = make_checkpoint.write_llama3(model, ranks, str(tmp_path_factory.mktemp(name)), list(layouts),
+                                               LLAMA3_TEMPLATE)
+        out[name] = (model, folders)
+    return out

@@ -12,7 +12,6 @@ import sys
 
 import torch
 
-TOKENIZER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo", "tokenizer.model")
 BATCH, SEQLEN, PREFILL, CHUNK = 2, 10, 4, 2
 ROW_PREFILL = (3, 5)  # run_rows: how many tokens each row prefills on its own, in KV-cache row (slot) i
 
@@ -83,7 +82,7 @@ def main():
 
     out_dir, folder = sys.argv[1], sys.argv[2]
     world_size = int(os.environ["WORLD_SIZE"])
-    llama = llama2.tp_llama(None, folder, TOKENIZER, world_size)
+    llama = llama2.tp_llama(None, folder, None, world_size)  # the folder's own tokenizer
     rank = dist.get_rank() if world_size > 1 else 0
     model = llama.model
     if "--compile" in sys.argv:

@@ -17,23 +17,27 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from checkpoint import HF_NAMES, MP_SPLIT_DIM, unpermute_rotary  # noqa: E402
+from checkpoint import HF_NAMES, META_ROPE_SCALING, MP_SPLIT_DIM, unpermute_rotary  # noqa: E402
 from llama2 import meta_ffn_hidden_dim  # noqa: E402
-from tokenizer import Tokenizer  # noqa: E402
+from tokenizer import LLAMA3_PATTERN, Tokenizer, llama3_special_tokens, write_tiktoken_ranks  # noqa: E402
 
 
 def random_hf_model(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, vocab_size: int,
                     multiple_of: int = 32, ffn_dim_multiplier: float | None = None, norm_eps: float = 1e-5,
-                    rope_theta: float = 10000.0, tie: bool = False, seed: int = 0, max_positions: int = 4096):
+                    rope_theta: float = 10000.0, tie: bool = False, seed: int = 0, max_positions: int = 4096,
+                    rope_scaling: dict | None = None, bos_id: int = 1, eos_id: int | list[int] = 2):
     """A LlamaForCausalLM with weights scaled so that attention is far from uniform (so that
-    rotary and head-layout mistakes show in the logits) and norms that are not all ones."""
+    rotary and head-layout mistakes show in the logits) and norms that are not all ones.
+    rope_scaling: Llama 3.1's (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings), or None."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    rope = {"rope_type": "llama3", **rope_scaling} if rope_scaling else None
     config = LlamaConfig(hidden_size=dim, num_hidden_layers=n_layers, num_attention_heads=n_heads,
                          num_key_value_heads=n_kv_heads, vocab_size=vocab_size,
                          intermediate_size=meta_ffn_hidden_dim(4 * dim, multiple_of, ffn_dim_multiplier),
-                         rms_norm_eps=norm_eps, rope_theta=rope_theta, tie_word_embeddings=tie,
-                         max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2)
+                         rms_norm_eps=norm_eps, rope_theta=rope_theta, rope_scaling=rope, tie_word_embeddings=tie,
+                         max_position_embeddings=max_positions, bos_token_id=bos_id, eos_token_id=eos_id)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float().eval()
     with torch.no_grad():
@@ -47,6 +51,12 @@ def random_hf_model(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, voca
     model.meta_params = {"dim": dim, "n_layers": n_layers, "n_heads": n_heads, "n_kv_heads": n_kv_heads,
                          "vocab_size": vocab_size, "multiple_of": multiple_of,
                          "ffn_dim_multiplier": ffn_dim_multiplier, "norm_eps": norm_eps, "rope_theta": rope_theta}
+    if rope_scaling:  # Meta's params.json can only say: Meta's constants, perhaps another factor
+        if {k: v for k, v in rope_scaling.items() if k != "factor"} == \
+                {k: v for k, v in META_ROPE_SCALING.items() if k != "factor"}:
+            model.meta_params |= {"use_scaled_rope": True, "rope_scaling_factor": rope_scaling["factor"]}
+        else:
+            model.meta_params = None  # no Meta layout for this model
     return model
 
 
@@ -66,14 +76,20 @@ def meta_state_dict(model) -> dict:
     return {k: v.detach().clone().contiguous() for k, v in out.items()}
 
 
-def save_meta(model, folder: str, mp: int = 1, dtype: torch.dtype = torch.float32):
-    """params.json + consolidated.NN.pth split as fairscale's model parallelism splits them."""
+def save_meta(model, folder: str, mp: int = 1, dtype: torch.dtype = torch.float32, llama3: bool = False):
+    """params.json + consolidated.NN.pth split as fairscale's model parallelism splits them.
+    llama3: the embedding split over the vocabulary (Llama 3's VocabParallelEmbedding), and
+    no output.weight when it is tied to the embedding (Llama 3.2 1B/3B)."""
+    if model.meta_params is None:
+        raise ValueError("this model's RoPE scaling cannot be written in Meta's params.json")
     os.makedirs(folder, exist_ok=True)
     state = meta_state_dict(model)
+    if llama3 and model.config.tie_word_embeddings:
+        del state["output.weight"]
     for rank in range(mp):
         shard = {}
         for name, t in state.items():
-            dim = MP_SPLIT_DIM.get(name.split(".")[-2])
+            dim = 0 if llama3 and name == "tok_embeddings.weight" else MP_SPLIT_DIM.get(name.split(".")[-2])
             part = t if dim is None else t.chunk(mp, dim=dim)[rank]
             shard[name] = part.to(dtype).clone()
         shard["rope.freqs"] = torch.zeros(1)  # present in Meta's files; loaders must ignore it
@@ -97,6 +113,65 @@ def write_layouts(model, out: str, tokenizer_path: str, layouts: list[str], hf_s
         else:
             save_meta(model, folder, mp=int(layout.split(":")[1]))
         shutil.copy(tokenizer_path, os.path.join(folder, "tokenizer.model"))
+        folders[layout] = folder
+    return folders
+
+
+# --- Llama 3 ---------------------------------------------------------------------------------
+
+def train_llama3_ranks(text: str, n_ranks: int) -> dict[bytes, int]:
+    """Byte-level BPE ranks (256 bytes + merges) trained on text with Meta's Llama 3 split
+    pattern, by tiktoken's own (pure Python) trainer."""
+    from tiktoken._educational import bpe_train
+
+    return bpe_train(text, n_ranks, LLAMA3_PATTERN, visualise=None)
+
+
+LLAMA3_STOPS = ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")
+
+
+def llama3_ids(n_ranks: int) -> dict[str, int]:
+    return {t: n_ranks + i for i, t in enumerate(llama3_special_tokens())}
+
+
+def write_llama3_hf_tokenizer(ranks: dict[bytes, int], folder: str, chat_template: str | None = None,
+                              extra_stop_ids: tuple[int, ...] = ()):
+    """tokenizer.json made from the ranks by transformers' TikTokenConverter (what
+    transformers uses for Llama 3), Llama 3's 256 special tokens, and the
+    tokenizer_config.json / generation_config.json of an instruct model."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    os.makedirs(folder, exist_ok=True)
+    ranks_path = os.path.join(folder, "ranks.tiktoken")
+    write_tiktoken_ranks(ranks, ranks_path)
+    TikTokenConverter(vocab_file=ranks_path, pattern=LLAMA3_PATTERN, extra_special_tokens=llama3_special_tokens()) \
+        .converted().save(os.path.join(folder, "tokenizer.json"))
+    os.remove(ranks_path)
+    ids = llama3_ids(len(ranks))
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "tokenizer_class": "PreTrainedTokenizerFast",
+              "model_max_length": 131072, "clean_up_tokenization_spaces": False}
+    if chat_template:
+        config["chat_template"] = chat_template
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": ids["<|begin_of_text|>"],
+                   "eos_token_id": [ids[t] for t in LLAMA3_STOPS] + list(extra_stop_ids)}, f, indent=2)
+
+
+def write_llama3(model, ranks: dict[bytes, int], out: str, layouts: list[str], chat_template: str | None = None) -> dict:
+    """A Llama 3 checkpoint in each layout: 'hf' (safetensors, tokenizer.json with the chat
+    template) or 'meta:MP' (Meta's params.json, shards with the embedding split over the
+    vocabulary, tiktoken tokenizer.model). Returns {layout: folder}."""
+    folders = {}
+    for layout in layouts:
+        folder = os.path.join(out, layout.replace(":", "_mp"))
+        if layout == "hf":
+            save_hf(model, folder)
+            write_llama3_hf_tokenizer(ranks, folder, chat_template)
+        else:
+            save_meta(model, folder, mp=int(layout.split(":")[1]), llama3=True)
+            write_tiktoken_ranks(ranks, os.path.join(folder, "tokenizer.model"))
         folders[layout] = folder
     return folders
 
