@@ -22,6 +22,7 @@ from ts.metrics.metric_type_enum import MetricTypes
 from ts.torch_handler.base_handler import BaseHandler
 
 import api
+import chat_format
 import openai_api
 from api import Defaults, Job, Limits, RequestError
 from generate import Engine
@@ -44,7 +45,8 @@ class LlamaHandler(BaseHandler):
         settings = dict(config.get("handler") or {})
         model_dir = ctx.system_properties["model_dir"]
         checkpoint = os.path.join(model_dir, settings.pop("checkpoint", "checkpoint"))
-        tokenizer = os.path.join(model_dir, settings.pop("tokenizer", os.path.join(checkpoint, "tokenizer.model")))
+        # a tokenizer file, or a folder with tokenizer.json or tokenizer.model: by default the checkpoint's
+        tokenizer = os.path.join(model_dir, settings.pop("tokenizer", checkpoint))
         self.max_seq_len = int(settings.pop("max_seq_len", 2048))
         dtype = settings.pop("dtype", "auto")
         compile_decode = settings.pop("compile", False)
@@ -64,6 +66,8 @@ class LlamaHandler(BaseHandler):
                          max_batch_size=slots, max_seq_len=self.max_seq_len)
         logger.info("loaded %s on %d rank(s) in %.1f s: %s", checkpoint, world_size,
                     time.perf_counter() - start, llama.model.params)
+        logger.info("tokenizer %s (%s), chat format %s", llama.tokenizer.path, type(llama.tokenizer).__name__,
+                    chat_format.format_name(llama.tokenizer))
         if compile_decode:
             start = time.perf_counter()
             llama.model.compile_decode()

@@ -27,7 +27,7 @@ def configure(base: dict, tp: int | None = None, checkpoint: str | None = None, 
         config["batchSize"] = batch_size
     if checkpoint:
         config["handler"]["checkpoint"] = os.path.abspath(checkpoint)
-        config["handler"]["tokenizer"] = os.path.abspath(tokenizer or os.path.join(checkpoint, "tokenizer.model"))
+        config["handler"]["tokenizer"] = os.path.abspath(tokenizer or checkpoint)
     for key, value in (handler or {}).items():
         config["handler"][key] = value
     return config
