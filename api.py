@@ -254,7 +254,7 @@ def sequences(req: Request, tokenizer, max_seq_len: int, limits: Limits,
         elif n > room:
             raise RequestError(f"{where} has {len(tokens)} tokens and {n} new tokens were asked for; the context "
                                f"holds {max_seq_len}, so at most {room} new tokens fit", max_param)
-        out.append((tokens, SamplingParams(max_gen_len=n, **req.sampling)))
+        out.append((tokens, SamplingParams(max_gen_len=n, continue_prompt=not req.chat, **req.sampling)))
     return out
 
 

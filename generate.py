@@ -63,6 +63,10 @@ class SamplingParams:
     logprobs: bool = False
     echo: bool = False
     stop: tuple[str, ...] = ()
+    # True: the text continues the prompt (text completion: prompt + text is what prompt and
+    # new tokens decode to). False: the text is what the new tokens decode to on their own
+    # (a chat message, as Meta's reference decodes an answer: no space left over from the layout).
+    continue_prompt: bool = True
 
 
 @dataclass
@@ -156,7 +160,7 @@ class Engine:
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
         seq = Sequence(list(prompt_tokens), params, heapq.heappop(self.free_slots), generator,
-                       stream=TextStream(self.tokenizer, prompt_tokens))
+                       stream=TextStream(self.tokenizer, prompt_tokens if params.continue_prompt else []))
         self.sequences[seq.slot] = seq
         tokens = torch.tensor([seq.prompt_tokens], device=self.device)
         logits = self.model(tokens, 0, slot=seq.slot)[0]
@@ -298,6 +302,6 @@ def chat_completion(model, tokenizer, dialogs: list[Dialog], max_gen_len=None, t
     prompt_tokens = [chat_format.encode_dialog(tokenizer, d) for d in dialogs]
     engine = Engine(model, tokenizer)
     params = sampling_params(prompt_tokens, engine.max_seq_len, max_gen_len, temperature=temperature,
-                             top_p=top_p, logprobs=logprobs, **options)
+                             top_p=top_p, logprobs=logprobs, continue_prompt=False, **options)
     seqs = run_to_completion(engine, prompt_tokens, params)
     return [prediction(s, tokenizer, {"role": "assistant", "content": s.text}) for s in seqs]

@@ -266,7 +266,7 @@ def test_greedy_equals_transformers_and_stops_at_any_stop_id(llama3, tmp_path):
     answers = G.chat_completion(llama.model, tok, DIALOGS, N_NEW, temperature=0)
     for prompt, answer in zip(chats, answers):
         want = hf_generate(hf, prompt, stops)
-        assert answer["generation"]["content"] == continuation(tok, prompt, want)
+        assert answer["generation"]["content"] == tok.decode(want)  # the message alone
         assert answer["usage"]["completion_tokens"] == len(want)
 
 
