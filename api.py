@@ -49,6 +49,7 @@ class Request:
     api: str  # "native", "completions", "chat" or "models"
     chat: bool = False
     inputs: list = field(default_factory=list)  # prompt strings, or dialogs
+    input_field: str = "prompt"  # the body's field that held them: errors name it
     batched: bool = False  # a list of prompts came in: a list of answers goes out
     stream: bool = False
     max_new_tokens: int | None = None  # None: the default, cut to what the context leaves
@@ -68,7 +69,6 @@ class Job:
     started: bool = False  # a streamed chunk went out
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
-    admitted: int = 0  # its place in the order of admission
 
 
 def read_body(raw, limits: Limits):
@@ -203,7 +203,7 @@ def parse_native(body, limits: Limits, defaults: Defaults) -> Request:
     if len(given) != 1:
         raise RequestError("give exactly one of prompt (text completion) or dialog/messages (chat)"
                            + (f", not {' and '.join(given)}" if given else ""), "prompt")
-    req = Request("native", chat=given[0] != "prompt")
+    req = Request("native", chat=given[0] != "prompt", input_field=given[0])
     if req.chat:
         req.inputs = [get_dialog(body, given[0], limits)]
     else:
@@ -235,7 +235,7 @@ def sequences(req: Request, tokenizer, max_seq_len: int, limits: Limits,
               defaults: Defaults) -> list[tuple[list[int], SamplingParams]]:
     """Each input's prompt tokens and sampling settings, checked against the context."""
     out = []
-    param = "messages" if req.api == "chat" else ("dialog" if req.chat else "prompt")
+    param = req.input_field
     max_param = "max_new_tokens" if req.api == "native" else "max_tokens"
     prompt_limit = min(limits.max_prompt_tokens or max_seq_len - 1, max_seq_len - 1)
     for i, item in enumerate(req.inputs):

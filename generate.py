@@ -1,17 +1,14 @@
-"""Generation: sampling and an Engine that decodes many sequences together, each in its
-own KV-cache row, so that sequences can join and leave between steps (continuous
-batching). generate/text_completion/chat_completion run a whole batch through it with the
-semantics of Meta's reference code."""
+"""Generation: sampling, the Sequence that a generation builds up, and the seed
+functions generate/text_completion/chat_completion, which run a whole batch through the
+engine (engine.py) with the semantics of Meta's reference code."""
 
-import heapq
 from dataclasses import dataclass, field
 from typing import Literal, TypedDict
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 import chat_format
+from kv_cache import BlockTable
 from tokenizer import TextStream
 
 Role = Literal["system", "user", "assistant"]
@@ -69,12 +66,13 @@ class SamplingParams:
     continue_prompt: bool = True
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """One prompt's generation: its KV-cache row, its tokens so far, and when it stopped."""
+    """One prompt's generation: its tokens so far, its text, and when it stopped; the
+    engine keeps its KV-cache blocks (table) and how many of its tokens are cached."""
     prompt_tokens: list[int]
     params: SamplingParams
-    slot: int
+    id: int  # in the order sequences were added
     generator: torch.Generator | None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -83,15 +81,16 @@ class Sequence:
     text: str = ""  # the generation's text so far, cut before a stop string
     finish_reason: str | None = None
     emitted: int = 0  # characters of text already handed out by new_text()
+    table: BlockTable | None = None  # set by the engine's scheduler
+    cached: int = 0
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
     @property
-    def cache_len(self) -> int:
-        """Tokens whose keys and values are in the cache; the last sampled one is not yet."""
-        return len(self.prompt_tokens) + len(self.tokens) - 1
+    def needs_prompt_logprobs(self) -> bool:
+        return self.params.logprobs and self.params.echo
 
     def add_text(self, piece: str):
         """Append decoded text; a stop string in it ends the generation, cut before it.
@@ -125,108 +124,29 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
     return 0
 
 
-class Engine:
-    """Decodes sequences that each own one KV-cache row (slot). add() prefills a prompt and
-    samples its first token; step() gives every running sequence one more token. Every
-    tensor-parallel rank must make the same calls in the same order; sampled tokens are
-    broadcast from rank 0 so that all ranks feed the model the same tokens."""
-
-    def __init__(self, model, tokenizer):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.device = model.tok_embeddings.weight.device
-        self.max_seq_len = model.params.max_seq_len
-        self.free_slots = list(range(model.params.max_batch_size))
-        self.sequences: dict[int, Sequence] = {}  # by slot
-
-    @property
-    def running(self) -> list[Sequence]:
-        return [s for s in self.sequences.values() if not s.done]
-
-    def check(self, prompt_tokens: list[int], max_gen_len: int):
-        if not prompt_tokens:
-            raise ValueError("the prompt is empty")
-        if max_gen_len < 1:
-            raise ValueError(f"max_gen_len must be at least 1, got {max_gen_len}")
-        if len(prompt_tokens) + max_gen_len > self.max_seq_len:
-            raise ValueError(f"prompt of {len(prompt_tokens)} tokens + {max_gen_len} new tokens exceeds "
-                             f"max_seq_len {self.max_seq_len}")
-
-    def add(self, prompt_tokens: list[int], params: SamplingParams) -> Sequence:
-        self.check(prompt_tokens, params.max_gen_len)
-        if not self.free_slots:
-            raise RuntimeError("no free KV-cache slot")
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(self.device).manual_seed(params.seed)
-        seq = Sequence(list(prompt_tokens), params, heapq.heappop(self.free_slots), generator,
-                       stream=TextStream(self.tokenizer, prompt_tokens if params.continue_prompt else []))
-        self.sequences[seq.slot] = seq
-        tokens = torch.tensor([seq.prompt_tokens], device=self.device)
-        logits = self.model(tokens, 0, slot=seq.slot)[0]
-        if params.logprobs and params.echo:
-            prompt_lp = F.log_softmax(logits[:-1], dim=-1).gather(-1, tokens[0, 1:, None])[:, 0]
-            seq.prompt_logprobs = [0.0] + prompt_lp.tolist()  # nothing predicts the first token
-        self._advance([seq], logits[-1:])
-        return seq
-
-    def step(self):
-        """One token for every running sequence, in one forward pass over the cache rows
-        up to the highest one in use (free rows in between compute a throwaway token)."""
-        running = self.running
-        if not running:
-            return
-        rows = max(s.slot for s in running) + 1
-        tokens = torch.zeros(rows, 1, dtype=torch.long)
-        positions = [0] * rows
-        for s in running:
-            tokens[s.slot, 0] = s.tokens[-1]
-            positions[s.slot] = s.cache_len
-        logits = self.model(tokens.to(self.device), positions)[:, -1]
-        self._advance(running, logits[[s.slot for s in running]])
-
-    def release(self, seq: Sequence):
-        if self.sequences.pop(seq.slot, None) is seq:
-            heapq.heappush(self.free_slots, seq.slot)
-
-    def _advance(self, seqs: list[Sequence], logits: torch.Tensor):
-        next_tokens = torch.stack([self._sample(row, s) for row, s in zip(logits, seqs)])
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast(next_tokens, src=0)
-        want_logprobs = any(s.params.logprobs for s in seqs)
-        if want_logprobs:
-            chosen = F.log_softmax(logits, dim=-1).gather(-1, next_tokens[:, None])[:, 0].tolist()
-        for i, (s, token) in enumerate(zip(seqs, next_tokens.tolist())):
-            self._append(s, token, chosen[i] if want_logprobs else None)
-
-    def _sample(self, logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-        p = seq.params
-        if p.temperature == 0:
-            return logits.argmax()
-        logits = logits / p.temperature
-        if 0 < p.top_k < logits.numel():
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits.float(), dim=-1)
-        return sample_top_p(probs[None], p.top_p, seq.generator)[0, 0]
-
-    def _append(self, seq: Sequence, token: int, logprob: float | None):
-        if token in self.tokenizer.stop_ids:
-            seq.add_text(seq.stream.flush())
-            seq.finish_reason = "stop"
-            return
-        seq.tokens.append(token)
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-        seq.add_text(seq.stream.add(token))
-        if not seq.done and len(seq.tokens) >= seq.params.max_gen_len:
-            seq.add_text(seq.stream.flush())
-            if not seq.done:
-                seq.finish_reason = "length"
+def sample_token(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """The next token of seq from its logits (vocab,): greedy at temperature 0, else
+    temperature, top-k and top-p, drawn with the sequence's own generator when seeded."""
+    p = seq.params
+    if p.temperature == 0:
+        return logits.argmax()
+    logits = logits / p.temperature
+    if 0 < p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits.float(), dim=-1)
+    return sample_top_p(probs[None], p.top_p, seq.generator)[0, 0]
 
 
-def run_to_completion(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
-    if len(prompts) > len(engine.free_slots):
+def new_engine(model, tokenizer):
+    from engine import Engine  # engine.py builds on this module
+
+    return Engine(model, tokenizer)
+
+
+def run_to_completion(engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
+    """Meta's semantics: the whole batch at once, at most max_batch_size prompts."""
+    if len(prompts) > engine.scheduler.max_seqs:
         raise ValueError(f"{len(prompts)} prompts exceed max_batch_size {engine.model.params.max_batch_size}")
     for tokens, p in zip(prompts, params):  # all checks before any work
         engine.check(tokens, p.max_gen_len)
@@ -260,7 +180,7 @@ def generate(model, prompt_tokens: list[list[int]], max_gen_len: int, temperatur
     Meta's reference does: new tokens (after the prompt when echo), cut before EOS.
     options: top_k, seed, stop. More prompts than max_batch_size, or a prompt plus
     max_gen_len beyond max_seq_len, raise ValueError."""
-    engine = Engine(model, tokenizer)
+    engine = new_engine(model, tokenizer)
     params = sampling_params(prompt_tokens, engine.max_seq_len, max_gen_len, temperature=temperature,
                              top_p=top_p, logprobs=logprobs, echo=echo, **options)
     seqs = run_to_completion(engine, prompt_tokens, params)
@@ -288,7 +208,7 @@ def text_completion(model, tokenizer, prompts: list[str], max_gen_len=None, temp
     """Complete each prompt. max_gen_len: int, one per prompt, or None (to the end of the
     context). options: top_k, seed, stop (strings; the text is cut before them)."""
     prompt_tokens = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
-    engine = Engine(model, tokenizer)
+    engine = new_engine(model, tokenizer)
     params = sampling_params(prompt_tokens, engine.max_seq_len, max_gen_len, temperature=temperature,
                              top_p=top_p, logprobs=logprobs, echo=echo, **options)
     seqs = run_to_completion(engine, prompt_tokens, params)
@@ -300,7 +220,7 @@ def chat_completion(model, tokenizer, dialogs: list[Dialog], max_gen_len=None, t
                     top_p: float = 0.9, logprobs: bool = False, **options) -> list[ChatPrediction]:
     """Answer each dialog as the assistant, in the checkpoint's chat format (chat_format.py)."""
     prompt_tokens = [chat_format.encode_dialog(tokenizer, d) for d in dialogs]
-    engine = Engine(model, tokenizer)
+    engine = new_engine(model, tokenizer)
     params = sampling_params(prompt_tokens, engine.max_seq_len, max_gen_len, temperature=temperature,
                              top_p=top_p, logprobs=logprobs, continue_prompt=False, **options)
     seqs = run_to_completion(engine, prompt_tokens, params)

@@ -1,12 +1,13 @@
 """TorchServe handler: serves a tensor-parallel Llama with continuous batching.
 
 TorchServe (continuousBatching: true) calls handle() again and again with every request in
-flight: new ones with their body, known ones by id. Each call is one iteration: running
-sequences get one token, waiting requests are admitted (prefill and first token), and each
-request gets a message only when it has one: its answer, a streamed chunk, or an error.
-Requests without a message this time are left out of the response, so TorchServe keeps
-them and sends them again. torchrun starts one worker per rank; every rank receives the
-same requests in the same order and does the same work, and only rank 0's answers go out.
+flight: new ones with their body, known ones by id. Each call is one iteration: new
+requests' prompts are queued in the engine, the engine takes one step (a token for every
+running sequence, prompts or chunks of them for the ones it admits), and each request gets
+a message only when it has one: its answer, a streamed chunk, or an error. Requests
+without a message this time are left out of the response, so TorchServe keeps them and
+sends them again. torchrun starts one worker per rank; every rank receives the same
+requests in the same order and does the same work, and only rank 0's answers go out.
 """
 
 import hashlib
@@ -14,7 +15,6 @@ import json
 import logging
 import os
 import time
-from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ import api
 import chat_format
 import openai_api
 from api import Defaults, Job, Limits, RequestError
-from generate import Engine
+from engine import Engine
 from llama2 import tp_llama
 
 logger = logging.getLogger(__name__)
@@ -50,20 +50,24 @@ class LlamaHandler(BaseHandler):
         self.max_seq_len = int(settings.pop("max_seq_len", 2048))
         dtype = settings.pop("dtype", "auto")
         compile_decode = settings.pop("compile", False)
+        kv_cache_bytes = int(settings.pop("kv_cache_bytes", 0))
+        max_batched_tokens = int(settings.pop("max_batched_tokens", 512))
+        prefix_caching = settings.pop("prefix_caching", True)
         self.limits = api.dataclass_from(Limits, settings.pop("limits", None), "handler.limits")
         self.defaults = api.dataclass_from(Defaults, settings.pop("defaults", None), "handler.defaults")
         if settings:
             raise ValueError(f"unknown keys in the handler section of model-config.yaml: {sorted(settings)}")
-        if not isinstance(compile_decode, bool):
-            raise ValueError(f"handler.compile must be true or false, got {compile_decode!r}")
+        for name, value in (("compile", compile_decode), ("prefix_caching", prefix_caching)):
+            if not isinstance(value, bool):
+                raise ValueError(f"handler.{name} must be true or false, got {value!r}")
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"handler.dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
 
-        slots = int(ctx.system_properties.get("batch_size") or 1)  # batchSize: one KV-cache row each
+        slots = int(ctx.system_properties.get("batch_size") or 1)  # batchSize: sequences decoded together
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         start = time.perf_counter()
         llama = tp_llama(None, checkpoint, tokenizer, world_size, dtype=DTYPES.get(dtype),
-                         max_batch_size=slots, max_seq_len=self.max_seq_len)
+                         max_batch_size=slots, max_seq_len=self.max_seq_len, kv_cache_bytes=kv_cache_bytes)
         logger.info("loaded %s on %d rank(s) in %.1f s: %s", checkpoint, world_size,
                     time.perf_counter() - start, llama.model.params)
         logger.info("tokenizer %s (%s), chat format %s", llama.tokenizer.path, type(llama.tokenizer).__name__,
@@ -72,7 +76,12 @@ class LlamaHandler(BaseHandler):
             start = time.perf_counter()
             llama.model.compile_decode()
             logger.info("compiled the decode step in %.1f s", time.perf_counter() - start)
-        self.use_engine(Engine(llama.model, llama.tokenizer))
+        model = llama.model
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MB on this rank), prefix caching %s, "
+                    "%s tokens per step", model.num_blocks, model.block_size,
+                    model.num_blocks * model.kv_block_bytes() / 1e6, "on" if prefix_caching else "off",
+                    max_batched_tokens or "unlimited")
+        self.use_engine(Engine(model, llama.tokenizer, slots, max_batched_tokens, prefix_caching))
         self.limits.max_prompts = min(self.limits.max_prompts, slots)
         self.rank0 = int(os.environ.get("RANK", "0")) == 0
         self.created = int(time.time())
@@ -85,8 +94,6 @@ class LlamaHandler(BaseHandler):
         """Serve with engine, nothing in flight yet."""
         self.engine, self.tokenizer = engine, engine.tokenizer
         self.jobs: dict[str, Job] = {}  # by TorchServe request id
-        self.waiting: deque[str] = deque()  # admitted first come, first served
-        self.admissions = 0
 
     # --- one iteration: preprocess -> inference -> postprocess (BaseHandler.handle) -------
 
@@ -109,7 +116,6 @@ class LlamaHandler(BaseHandler):
                         JSON, "once"
                     continue
                 self.jobs[req_id] = self.new_job(idx, req_id, route, data[idx])
-                self.waiting.append(req_id)
             except RequestError as e:
                 immediate[idx] = error_message(fmt, e)
             except Exception as e:  # a bug must cost one request, never the worker
@@ -118,33 +124,22 @@ class LlamaHandler(BaseHandler):
         return immediate
 
     def inference(self, immediate):
-        """Give every running sequence one token, then admit waiting requests in order
-        while KV-cache slots are free."""
+        """One engine step: a token for every running sequence, and prompts (or chunks of
+        them) of the sequences the scheduler admits."""
         try:
             self.engine.step()
         except Exception as e:
-            logger.exception("decode step failed")
+            logger.exception("engine step failed")
             self.exit_if_a_rank_is_gone()
             for job in self.jobs.values():
                 if any(not s.done for s in job.seqs):
                     job.error = RequestError(f"internal error: {e}", None, status=500)
-        while self.waiting:
-            job = self.jobs[self.waiting[0]]
-            if len(job.prompts) > len(self.engine.free_slots):
-                break
-            self.waiting.popleft()
-            self.admissions += 1
-            job.admitted = self.admissions
-            before = set(self.engine.sequences)
-            try:
-                job.seqs = [self.engine.add(tokens, params) for tokens, params in job.prompts]
-                job.first_token = time.perf_counter()
-            except Exception as e:
-                logger.exception("prefill failed")
-                self.exit_if_a_rank_is_gone()
-                job.error = RequestError(f"internal error: {e}", None, status=500)
-                for slot in set(self.engine.sequences) - before:  # the slots this request took
-                    self.engine.release(self.engine.sequences[slot])
+                    for seq in job.seqs:
+                        self.engine.release(seq)
+        now = time.perf_counter()
+        for job in self.jobs.values():
+            if job.first_token is None and any(s.tokens or s.done for s in job.seqs):
+                job.first_token = now
         return immediate
 
     def exit_if_a_rank_is_gone(self):
@@ -189,9 +184,7 @@ class LlamaHandler(BaseHandler):
                 self.forget(req_id)
         self.context.stopping_criteria = [lambda _, flag=flag: flag for flag in stream_next]
         if self.rank0:
-            metrics = self.context.metrics
-            metrics.add_metric("KVSlotsInUse", len(self.engine.sequences), "count", metric_type=MetricTypes.GAUGE)
-            metrics.add_metric("RequestsWaiting", len(self.waiting), "count", metric_type=MetricTypes.GAUGE)
+            self.record_engine_metrics()
         return out
 
     # --- requests ---------------------------------------------------------------------
@@ -211,9 +204,16 @@ class LlamaHandler(BaseHandler):
         else:
             request = openai_api.parse(route, body, self.context.model_name, self.limits, self.defaults)
         prompts = api.sequences(request, self.tokenizer, self.max_seq_len, self.limits, self.defaults)
+        for tokens, params in prompts:  # all checks before any sequence is queued
+            try:
+                self.engine.check(tokens, params.max_gen_len)
+            except ValueError as e:
+                raise RequestError(str(e), "prompt") from None
         meta = {"id": f"{'chatcmpl' if request.chat else 'cmpl'}-{req_id}", "created": int(time.time()),
                 "model": self.context.model_name}
-        return Job(request, self.is_http(idx), prompts, meta)
+        job = Job(request, self.is_http(idx), prompts, meta)
+        job.seqs = [self.engine.add(tokens, params) for tokens, params in prompts]
+        return job
 
     def is_http(self, idx: int) -> bool:
         return any(k.lower() in ("url_path", "host") for k in self.context.get_all_request_header(idx))
@@ -225,12 +225,12 @@ class LlamaHandler(BaseHandler):
             return
         for seq in job.seqs:
             self.engine.release(seq)
-        if req_id in self.waiting:
-            self.waiting.remove(req_id)
-        # every rank logs this line: the tests compare the ranks' admission order and tokens
+        # every rank logs this line: the tests compare the ranks' sequence ids, tokens and
+        # scheduling decisions (block tables included) so far
         tokens = [s.tokens for s in job.seqs]
-        logger.info("done %s rank=%s admitted=%s slots=%s tokens=%s", req_id, os.environ.get("RANK", "0"),
-                    job.admitted, [s.slot for s in job.seqs], hashlib.sha1(repr(tokens).encode()).hexdigest())
+        logger.info("done %s rank=%s seqs=%s tokens=%s decisions=%s", req_id, os.environ.get("RANK", "0"),
+                    [s.id for s in job.seqs], hashlib.sha1(repr(tokens).encode()).hexdigest(),
+                    self.engine.scheduler.digest.hexdigest())
 
     def message(self, job: Job):
         """(body, status, content type, kind) for this iteration, or None; kind is "once"
@@ -242,8 +242,8 @@ class LlamaHandler(BaseHandler):
                 return error_message(fmt, job.error)
             tail = "" if fmt is api else "data: [DONE]\n\n"
             return stream_line(fmt, fmt.error(job.error)) + tail, 200, fmt.STREAM_TYPE, "last"
-        if not job.seqs:
-            return None  # waiting for KV-cache slots
+        if not any(s.tokens or s.done for s in job.seqs):
+            return None  # its prompts are waiting or being prefilled
         done = all(s.done for s in job.seqs)
         if not req.stream:
             if not done:
@@ -263,6 +263,15 @@ class LlamaHandler(BaseHandler):
             return None
         job.started = True
         return "".join(pieces), 200, fmt.STREAM_TYPE, "last" if last else "chunk"
+
+    def record_engine_metrics(self):
+        metrics, engine = self.context.metrics, self.engine
+        pool = engine.pool
+        for name, value in (("KVBlocksInUse", pool.num_used), ("KVBlocksTotal", pool.num_blocks),
+                            ("SequencesRunning", len(engine.scheduler.running)),
+                            ("SequencesWaiting", len(engine.scheduler.waiting)),
+                            ("PrefixCacheHitRate", pool.hits / pool.queries if pool.queries else 0.0)):
+            metrics.add_metric(name, value, "count", metric_type=MetricTypes.GAUGE)
 
     def record_metrics(self, job: Job):
         """Token counts and latencies of a finished request, as TorchServe custom metrics

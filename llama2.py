@@ -3,7 +3,7 @@ folder (Meta or Hugging Face layout) straight into each rank's shard."""
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -145,9 +145,40 @@ def head_ranges(args: ModelArgs, rank: int, world_size: int) -> tuple[range, ran
     return range(rank * q_per_rank, (rank + 1) * q_per_rank), kv
 
 
+KV_BLOCK_SIZE = 16  # tokens per KV-cache block
+
+
+@dataclass
+class Batch:
+    """One forward pass over sequences whose keys and values live in the paged KV cache.
+    The first n_decode tokens each take one sequence one token further; after them come
+    prefill chunks, each a run of consecutive tokens of one sequence. Plain lists: the
+    engine builds them, Transformer.forward_batch turns them into tensors."""
+    tokens: list[int]
+    positions: list[int]
+    slots: list[int]  # where each token's keys and values go: block * block_size + offset
+    n_decode: int = 0
+    decode_blocks: list[list[int]] = field(default_factory=list)  # each decoding sequence's block table
+    chunks: list[tuple[int, list[int]]] = field(default_factory=list)  # (tokens, block table) per chunk
+    logits_at: list[int] | None = None  # the tokens whose logits are wanted; None: all
+
+
+@dataclass
+class Attend:
+    """Batch's attention inputs as tensors, made once per forward pass for every layer.
+    A chunk without a mask is a prompt's first chunk: causal over its own keys only."""
+    slots: torch.Tensor
+    decode_blocks: torch.Tensor | None  # (n_decode, blocks)
+    decode_mask: torch.Tensor | None  # (n_decode, 1, 1, blocks * block_size), additive
+    chunks: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (start, length, blocks, mask)
+
+
 class Attention(nn.Module):
-    """Attention with fused q/k/v projection, KV cache, grouped-query heads and RoPE.
-    Sharded by parallelize_llama_attn_block: each rank keeps its own heads."""
+    """Attention with fused q/k/v projection, a paged KV cache, grouped-query heads and
+    RoPE. The cache of each layer is a pool of blocks, (kv heads, blocks, block_size,
+    head_dim); a sequence's keys are gathered from its blocks for
+    scaled_dot_product_attention. Sharded by parallelize_llama_attn_block: each rank keeps
+    its own heads."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -168,40 +199,55 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_local_heads * self.head_dim, args.dim, bias=False, device=self.wo.weight.device)
         self.process_group = dist.group.WORLD
 
-    def setup_cache(self, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, device):
-        shape = (max_batch_size, self.n_local_kv_heads, max_seq_len, self.head_dim)
+    def setup_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device):
+        shape = (self.n_local_kv_heads, num_blocks, block_size, self.head_dim)
         self.cache_k = torch.zeros(shape, dtype=dtype, device=device)
         self.cache_v = torch.zeros(shape, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, start_pos, freqs_cis: torch.Tensor, mask: torch.Tensor | None,
-                slot: int = 0) -> torch.Tensor:
-        """start_pos: an int when every row starts at the same position, else a (batch, seq)
-        tensor of each query's position; mask: (batch, 1, seq, kv_len) or None (attend to all);
-        row i reads and writes KV-cache row slot + i."""
-        bsz, seqlen, _ = x.shape
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """x: (1, tokens, dim), freqs_cis: (tokens, head_dim // 2)."""
+        n_tokens = x.shape[1]
         n_q, n_kv = self.n_local_heads, self.n_local_kv_heads
-        qkv = self.wqkv(x).view(bsz, seqlen, n_q + 2 * n_kv, self.head_dim)
-        qk = rotate(qkv[:, :, :n_q + n_kv], freqs_cis)  # query and key heads in one go
-        xq, xk, xv = qk[:, :, :n_q], qk[:, :, n_q:], qkv[:, :, n_q + n_kv:]
-
-        cache_k, cache_v = self.cache_k[slot:slot + bsz], self.cache_v[slot:slot + bsz]
-        if isinstance(start_pos, int):
-            kv_len = start_pos + seqlen
-            cache_k[:, :, start_pos:kv_len] = xk.transpose(1, 2)
-            cache_v[:, :, start_pos:kv_len] = xv.transpose(1, 2)
-        else:
-            kv_len = mask.size(-1)
-            rows = torch.arange(bsz, device=x.device).unsqueeze(1)
-            cache_k[rows, :, start_pos] = xk
-            cache_v[rows, :, start_pos] = xv
-        keys, values = cache_k[:, :, :kv_len], cache_v[:, :, :kv_len]
-
-        out = F.scaled_dot_product_attention(xq.transpose(1, 2), keys, values, attn_mask=mask,
-                                             enable_gqa=self.n_local_heads != self.n_local_kv_heads)
-        out = self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        qkv = self.wqkv(x).view(1, n_tokens, n_q + 2 * n_kv, self.head_dim)
+        qk = rotate(qkv[:, :, :n_q + n_kv], freqs_cis)[0]  # query and key heads in one go
+        xq, xk, xv = qk[:, :n_q], qk[:, n_q:], qkv[0, :, n_q + n_kv:]
+        for cache, new in ((self.cache_k, xk), (self.cache_v, xv)):
+            cache.view(n_kv, -1, self.head_dim).index_copy_(1, attend.slots, new.transpose(0, 1))
+        out = self.wo(self.attend(xq, xk, xv, attend).reshape(1, n_tokens, -1))
         if self.process_group is not None:
             dist.all_reduce(out, group=self.process_group)
         return out
+
+    def attend(self, xq, xk, xv, attend: Attend) -> torch.Tensor:
+        """(tokens, heads, head_dim): the decoding rows in one batched call, then each chunk."""
+        gqa = self.n_local_heads != self.n_local_kv_heads
+        parts = []
+        if attend.decode_blocks is not None:
+            keys, values = self.gather(attend.decode_blocks)
+            q = xq[:attend.decode_blocks.shape[0]].unsqueeze(2)  # (rows, heads, 1, head_dim)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attend.decode_mask, enable_gqa=gqa)
+            parts.append(out.squeeze(2))
+        for start, length, blocks, mask in attend.chunks:
+            q = xq[start:start + length].transpose(0, 1).unsqueeze(0)
+            if mask is None:
+                keys = xk[start:start + length].transpose(0, 1).unsqueeze(0)
+                values = xv[start:start + length].transpose(0, 1).unsqueeze(0)
+                out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
+            else:
+                keys, values = self.gather(blocks.unsqueeze(0))
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+            parts.append(out[0].transpose(0, 1))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def gather(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of rows of blocks (rows, n): (rows, kv heads, n * block_size, head_dim)."""
+        rows, n = blocks.shape
+        flat = blocks.reshape(-1)
+        out = []
+        for cache in (self.cache_k, self.cache_v):
+            kv = cache.index_select(1, flat)  # (kv heads, rows * n, block_size, head_dim)
+            out.append(kv.view(self.n_local_kv_heads, rows, -1, self.head_dim).transpose(0, 1))
+        return out[0], out[1]
 
 
 class FeedForward(nn.Module):
@@ -242,9 +288,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x: torch.Tensor, start_pos, freqs_cis: torch.Tensor, mask: torch.Tensor | None,
-                slot: int = 0) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), start_pos, freqs_cis, mask, slot)
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, attend: Attend) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, attend)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -263,6 +308,7 @@ class Transformer(nn.Module):
         self.output_group = None  # set when the vocabulary is split: logits are all-gathered
         self.freqs_cis: torch.Tensor | None = None
         self.compiled_decode = None  # set by compile_decode
+        self.block_size = KV_BLOCK_SIZE
         self.tie_weights()
 
     def tie_weights(self):
@@ -271,8 +317,11 @@ class Transformer(nn.Module):
         if self.params.tie_word_embeddings and self.output_group is None:
             self.output.weight = self.tok_embeddings.weight
 
-    def setup_caches(self, max_batch_size: int | None = None, max_seq_len: int | None = None):
-        """Allocate RoPE tables and KV caches on the weights' device (after loading)."""
+    def setup_caches(self, max_batch_size: int | None = None, max_seq_len: int | None = None,
+                     num_blocks: int | None = None):
+        """Allocate the RoPE table and the paged KV cache on the weights' device (after
+        loading): num_blocks blocks of block_size tokens per layer, by default enough for
+        max_batch_size rows of max_seq_len tokens (what forward() addresses as rows)."""
         p = self.params
         p.max_batch_size = max_batch_size or p.max_batch_size
         p.max_seq_len = max_seq_len or p.max_seq_len
@@ -281,81 +330,117 @@ class Transformer(nn.Module):
             raise ValueError(f"max_seq_len {p.max_seq_len} exceeds the {p.max_position_embeddings} positions "
                              "the model was trained for (max_position_embeddings)")
         self.freqs_cis = precompute_freqs_cis(p.head_dim, p.max_seq_len, p.rope_theta, p.rope_scaling).to(weight.device)
+        self.row_blocks = -(-p.max_seq_len // self.block_size)  # blocks of one row of forward()
+        self.num_blocks = num_blocks or p.max_batch_size * self.row_blocks
+        if self.num_blocks < self.row_blocks:
+            raise ValueError(f"a KV cache of {self.num_blocks} blocks of {self.block_size} tokens cannot hold one "
+                             f"sequence of max_seq_len {p.max_seq_len}")
         for layer in self.layers:
-            layer.attention.setup_cache(p.max_batch_size, p.max_seq_len, weight.dtype, weight.device)
+            layer.attention.setup_cache(self.num_blocks, self.block_size, weight.dtype, weight.device)
+
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV-cache block on this rank, all layers (in the weights' dtype)."""
+        attn = self.layers[0].attention
+        return (2 * self.n_layers * attn.n_local_kv_heads * self.block_size * attn.head_dim
+                * self.tok_embeddings.weight.element_size())
 
     def compile_decode(self, **options):
-        """torch.compile the decode step (calls with one token per row), which removes most of
-        the per-operation overhead, and compile it now rather than in the first requests.
-        Shapes are dynamic, so that the growing KV length does not recompile: one row, several
-        rows at one position, and rows at different positions compile one graph each. Meant for
-        one model per process: torch.compile's recompile limit (8) counts every model's graphs."""
+        """torch.compile the decode step (one token for each of several sequences), which
+        removes most of the per-operation overhead, and compile it now rather than in the
+        first requests. Shapes are dynamic, so that growing block tables do not recompile;
+        one row and several rows, one block and several, compile a graph each. Meant for one
+        model per process: torch.compile's recompile limit (8) counts every model's graphs."""
         for layer in self.layers:  # only the activations' sizes vary, not the caches'
             torch._dynamo.mark_static(layer.attention.cache_k)
             torch._dynamo.mark_static(layer.attention.cache_v)
         self.compiled_decode = torch.compile(self.run_layers, dynamic=True, **options)
         rows = min(2, self.params.max_batch_size)
-        tokens = torch.zeros(rows, 2, dtype=torch.long, device=self.tok_embeddings.weight.device)
-        self(tokens, 0)  # a prefill (eager), then one step of each kind; cache rows 0 and 1 get junk
-        self(tokens[:1, :1], 2)
-        if rows > 1:
-            self(tokens[:, :1], 2)
-            self(tokens[:, :1], [2, 1])
+        length = min(self.block_size + 2, self.params.max_seq_len - 1)
+        tokens = torch.zeros(rows, length, dtype=torch.long, device=self.tok_embeddings.weight.device)
+        self(tokens, 0)  # a prefill (eager), then decode steps of each kind; rows 0 and 1 get junk
+        for pos in (1, length):
+            self(tokens[:1, :1], pos)
+            if rows > 1:
+                self(tokens[:, :1], [pos, pos - 1])
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos, slot: int = 0) -> torch.Tensor:
         """Logits (batch, seq, vocab) for tokens (batch, seq) whose first token sits at
-        start_pos: one int for all rows, or a list with each row's own position. Row i
-        uses KV-cache row slot + i."""
+        start_pos: one int for all rows, or a list with each row's own position. Row i's
+        keys and values live in the blocks of cache row slot + i (the KV cache seen as
+        max_batch_size rows of max_seq_len tokens, as in Meta's reference)."""
         bsz, seqlen = tokens.shape
         if self.freqs_cis is None:
             raise RuntimeError("call setup_caches() before forward()")
-        dtype = self.tok_embeddings.weight.dtype
-        if not isinstance(start_pos, int) and len(set(start_pos)) == 1:
-            start_pos = start_pos[0]  # all rows at one position: no mask, slice writes to the cache
-        # what compile_decode compiled: decode steps, one token per row from cache row 0 after the
-        # prompt (a one-token prompt's prefill, at position 0 or in another row, runs eager)
-        compiled = self.compiled_decode if seqlen == 1 and slot == 0 and start_pos != 0 else None
-        if isinstance(start_pos, int):
-            self._check_positions(slot + bsz, start_pos + seqlen)
-            # a copy, not a view: the view's offset in the table would make torch.compile recompile at each position
-            freqs_cis = self.freqs_cis[start_pos:start_pos + seqlen].clone()
-            mask = None
-            if seqlen > 1:
-                key_pos = torch.arange(start_pos + seqlen, device=tokens.device)
-                mask = self._additive_mask(key_pos <= key_pos[start_pos:].unsqueeze(1), dtype)[None, None]
+        starts = [start_pos] * bsz if isinstance(start_pos, int) else list(start_pos)
+        end = max(starts) + seqlen
+        if (slot + bsz) * self.row_blocks > self.num_blocks or end > self.params.max_seq_len:
+            raise ValueError(f"cache rows {slot + bsz} x length {end} exceed the KV cache "
+                             f"({self.num_blocks // self.row_blocks} x {self.params.max_seq_len})")
+        batch = Batch(tokens=tokens.reshape(-1).tolist(), positions=[], slots=[])
+        tables = []
+        for row, start in enumerate(starts):
+            first = (slot + row) * self.row_blocks
+            table = list(range(first, first + -(-(start + seqlen) // self.block_size)))
+            positions = range(start, start + seqlen)
+            batch.positions += positions
+            batch.slots += [table[q // self.block_size] * self.block_size + q % self.block_size for q in positions]
+            tables.append(table)
+        if seqlen == 1:
+            batch.n_decode, batch.decode_blocks = bsz, tables
         else:
-            kv_len = max(start_pos) + seqlen
-            self._check_positions(slot + bsz, kv_len)
-            offsets = torch.arange(seqlen, device=tokens.device)
-            start_pos = torch.tensor(start_pos, device=tokens.device).unsqueeze(1) + offsets  # (b, s)
-            freqs_cis = self.freqs_cis[start_pos]
-            key_pos = torch.arange(kv_len, device=tokens.device)
-            mask = self._additive_mask(key_pos <= start_pos.unsqueeze(-1), dtype).unsqueeze(1)
-        run = compiled or self.run_layers
-        return run(self.tok_embeddings(tokens), start_pos, freqs_cis, mask, slot)
+            batch.chunks = [(seqlen, table) for table in tables]
+        return self.forward_batch(batch).view(bsz, seqlen, -1)
 
-    def run_layers(self, h: torch.Tensor, start_pos, freqs_cis: torch.Tensor, mask: torch.Tensor | None,
-                   slot: int) -> torch.Tensor:
-        """The layers after the embedding: what compile_decode compiles (its inputs, made in
-        forward under inference_mode, always have the same layout, so guards hold)."""
+    @torch.inference_mode()
+    def forward_batch(self, batch: Batch) -> torch.Tensor:
+        """Logits (len(logits_at), vocab) of one pass over the sequences of batch."""
+        device = self.tok_embeddings.weight.device
+        tokens = torch.tensor(batch.tokens, device=device)
+        positions = torch.tensor(batch.positions, device=device)
+        attend = self.attend(batch, positions)
+        logits_at = None if batch.logits_at is None else torch.tensor(batch.logits_at, device=device)
+        # the freqs are gathered outside the graph: a view's offset would recompile at each position
+        run = self.compiled_decode if self.compiled_decode is not None and not batch.chunks else self.run_layers
+        return run(self.tok_embeddings(tokens).unsqueeze(0), self.freqs_cis[positions], attend, logits_at)
+
+    def attend(self, batch: Batch, positions: torch.Tensor) -> Attend:
+        """The tensors every layer's attention needs, with the additive masks made once:
+        each query sees the keys at its own position and before."""
+        device, dtype, size = positions.device, self.tok_embeddings.weight.dtype, self.block_size
+        decode_blocks = decode_mask = None
+        if batch.n_decode:
+            width = max(map(len, batch.decode_blocks))
+            decode_blocks = torch.tensor([b + [0] * (width - len(b)) for b in batch.decode_blocks], device=device)
+            key_pos = torch.arange(width * size, device=device)
+            decode_mask = additive_mask(key_pos <= positions[:batch.n_decode, None], dtype)[:, None, None]
+        chunks, start = [], batch.n_decode
+        for length, blocks in batch.chunks:
+            first = batch.positions[start]
+            mask = None
+            if first > 0:  # earlier keys are in the cache: gather them
+                key_pos = torch.arange(len(blocks) * size, device=device)
+                mask = additive_mask(key_pos <= positions[start:start + length, None], dtype)[None, None]
+            chunks.append((start, length, torch.tensor(blocks, device=device), mask))
+            start += length
+        return Attend(torch.tensor(batch.slots, device=device), decode_blocks, decode_mask, chunks)
+
+    def run_layers(self, h: torch.Tensor, freqs_cis: torch.Tensor, attend: Attend,
+                   logits_at: torch.Tensor | None) -> torch.Tensor:
+        """The layers after the embedding, and the logits of the tokens logits_at names:
+        what compile_decode compiles."""
         for layer in self.layers:
-            h = layer(h, start_pos, freqs_cis, mask, slot)
+            h = layer(h, freqs_cis, attend)
+        h = h[0] if logits_at is None else h[0, logits_at]
         logits = self.output(self.norm(h)).float()
         if self.output_group is not None:
             logits = gather_last_dim(logits, self.output_group)
         return logits
 
-    @staticmethod
-    def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        # made once per forward: attention would otherwise convert a boolean mask in every layer
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
-    def _check_positions(self, rows: int, end: int):
-        p = self.params
-        if rows > p.max_batch_size or end > p.max_seq_len:
-            raise ValueError(f"cache rows {rows} x length {end} exceed the KV cache "
-                             f"({p.max_batch_size} x {p.max_seq_len})")
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # made once per forward: attention would otherwise convert a boolean mask in every layer
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
@@ -454,10 +539,11 @@ def init_distributed(world_size: int) -> torch.device:
 
 
 def tp_llama(model_args, checkpoint_path, tokenizer_path, world_size, dtype: torch.dtype | None = None,
-             max_batch_size: int | None = None, max_seq_len: int | None = None):
+             max_batch_size: int | None = None, max_seq_len: int | None = None, kv_cache_bytes: int = 0):
     """Build a Llama sharded over world_size ranks from a Meta or Hugging Face checkpoint
     folder. Each rank reads only its own slices of the (memory-mapped) checkpoint.
-    max_batch_size and max_seq_len, when given, size the KV cache instead of model_args."""
+    max_batch_size and max_seq_len, when given, size the KV cache instead of model_args;
+    kv_cache_bytes, when given, is the KV cache's size on each rank instead."""
     device = init_distributed(world_size)
     rank, _ = tp_world()
     tokenizer = Tokenizer(tokenizer_path or checkpoint_path)  # a file, or a folder that holds one
@@ -476,7 +562,7 @@ def tp_llama(model_args, checkpoint_path, tokenizer_path, world_size, dtype: tor
     model.tie_weights()
     reader.load_into(model, weight_plan(model, rank, world_size))
     model.eval().requires_grad_(False)
-    model.setup_caches(max_batch_size, max_seq_len)
+    model.setup_caches(max_batch_size, max_seq_len, kv_cache_bytes // model.kv_block_bytes() or None)
     return Llama(model, tokenizer)
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import generate as G
+from engine import Engine
 import llama2
 
 
@@ -45,7 +46,7 @@ def main():
     out = G.text_completion(model, tok, spec["prompts"], n, temperature=1.0, top_p=1.0, seed=7)
     res["text_seeded"] = [o["generation"] for o in out]
     # the Engine with sequences joining at different times, sampled
-    eng = G.Engine(model, tok)
+    eng = Engine(model, tok)
     params = G.SamplingParams(max_gen_len=n, temperature=1.0, top_p=0.9)
     seqs = [eng.add(prompts[0], params)]
     for p in prompts[1:]:

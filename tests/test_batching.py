@@ -56,17 +56,22 @@ def test_mixed_requests_share_four_slots(server):
     assert slots_in_use(server) == 0
 
 
-def slots_in_use(server) -> float:
+def gauge(server, name: str) -> float:
     text = requests.get(server.metrics_url, timeout=30).text
-    m = re.search(r'^KVSlotsInUse\{[^}]*\} ([0-9.]+)$', text, re.M)
-    assert m, "KVSlotsInUse missing from the metrics"
+    m = re.search(rf'^{name}\{{[^}}]*\}} ([0-9.]+)$', text, re.M)
+    assert m, f"{name} missing from the metrics"
     return float(m.group(1))
+
+
+def slots_in_use(server) -> float:
+    """KV-cache blocks held and sequences running or waiting, as the last iteration left them."""
+    return gauge(server, "KVBlocksInUse") + gauge(server, "SequencesRunning") + gauge(server, "SequencesWaiting")
 
 
 def test_ranks_admit_and_decode_alike(server):
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda b: ask(server, b), mixed_requests()[:8]))
-    lines = re.findall(r"done (\S+) rank=(\d) (admitted=\d+ slots=\[[\d, ]*\] tokens=\w+)", server.log())
+    lines = re.findall(r"done (\S+) rank=(\d) (seqs=\[[\d, ]*\] tokens=\w+ decisions=\w+)", server.log())
     by_rank = {"0": {}, "1": {}}
     for req_id, rank, what in lines:
         by_rank[rank][req_id] = what

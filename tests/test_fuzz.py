@@ -279,23 +279,25 @@ def test_tiny_temperature_is_greedy(temperature):
     assert api.parse_native({"prompt": "a", "temperature": 1e-4}, Limits(), DEFAULTS).sampling["temperature"] == 1e-4
 
 
-def test_failed_prefill_frees_its_slots(demo_llama, monkeypatch):
-    """An admission that fails (here: sampling raises) fails only its request and gives back the
-    KV-cache slots it took, so the next request decodes normally."""
+def test_failed_prefill_frees_its_blocks(demo_llama, monkeypatch):
+    """A step that fails (here: sampling raises) fails the requests in it and gives back
+    every KV-cache block they took, so the next request decodes normally."""
+    import engine as engine_module
     import handler as handler_module
 
-    engine = generate.Engine(demo_llama.model, demo_llama.tokenizer)
+    engine = engine_module.Engine(demo_llama.model, demo_llama.tokenizer)
     h = handler_module.LlamaHandler()
     h.use_engine(engine)
-    slots = list(engine.free_slots)
     limits = Limits()
 
     def job(body):
         req = api.parse_native(body, limits, DEFAULTS)
-        return api.Job(req, True, api.sequences(req, demo_llama.tokenizer, engine.max_seq_len, limits, DEFAULTS), {})
+        j = api.Job(req, True, api.sequences(req, demo_llama.tokenizer, engine.max_seq_len, limits, DEFAULTS), {})
+        j.seqs = [engine.add(tokens, params) for tokens, params in j.prompts]
+        return j
 
     calls = {"n": 0}
-    real_sample = engine._sample
+    real_sample = engine_module.sample_token
 
     def failing_sample(logits, seq):
         calls["n"] += 1
@@ -303,15 +305,13 @@ def test_failed_prefill_frees_its_slots(demo_llama, monkeypatch):
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
         return real_sample(logits, seq)
 
-    monkeypatch.setattr(engine, "_sample", failing_sample)
+    monkeypatch.setattr(engine_module, "sample_token", failing_sample)
     h.jobs["bad"] = job({"prompt": ["one", "two", "three"], "temperature": 0.5, "max_new_tokens": 4})
-    h.waiting.append("bad")
     h.inference({})
     assert h.jobs["bad"].error is not None and h.jobs["bad"].error.status == 500
-    assert sorted(engine.free_slots) == slots and not engine.sequences
+    assert engine.pool.num_used == 0 and not engine.running
 
     h.jobs["good"] = job({"prompt": "two", "temperature": 0, "max_new_tokens": 4})
-    h.waiting.append("good")
     good = h.jobs["good"]
     while not (good.seqs and all(s.done for s in good.seqs)):
         h.inference({})

@@ -109,7 +109,7 @@ def test_compiled_decode_equals_eager_and_never_recompiles(checkpoints):
             step = torch.zeros(rows, 1, dtype=torch.long)
             for pos in range(4, 40, 7):
                 model(step, pos)
-                model(step, [pos - i for i in range(rows)])
+                model(step, [max(pos - i, 0) for i in range(rows)])
     for key in ("decode", "rows"):
         assert max_diff(compiled[key], eager[key]) <= 1e-5, key
 
@@ -214,8 +214,9 @@ def test_model_args_size_the_kv_cache(checkpoints):
     model = load(folder, checkpoint_model_args(folder, max_batch_size=3, max_seq_len=24))
     p = model.params
     assert (p.max_batch_size, p.max_seq_len) == (3, 24)
+    blocks = 3 * 2  # rows of 24 tokens in blocks of 16
     for layer in model.layers:
-        assert layer.attention.cache_k.shape == (3, p.n_kv_heads, 24, p.head_dim)
+        assert layer.attention.cache_k.shape == (p.n_kv_heads, blocks, 16, p.head_dim)
         assert layer.attention.cache_v.shape == layer.attention.cache_k.shape
     assert_matches_reference(model, ref, seqlen=24)
     with pytest.raises(ValueError, match="exceed the KV cache"):
@@ -224,8 +225,8 @@ def test_model_args_size_the_kv_cache(checkpoints):
         model(random_tokens(p.vocab_size, 4), 0, slot=2)
 
     default = load(folder)  # without model_args: ModelArgs' defaults
-    assert default.layers[0].attention.cache_k.shape[::2] == (llama2.ModelArgs.max_batch_size,
-                                                             llama2.ModelArgs.max_seq_len)
+    rows, length = llama2.ModelArgs.max_batch_size, llama2.ModelArgs.max_seq_len
+    assert default.layers[0].attention.cache_k.shape[1:3] == (rows * length // 16, 16)
 
 
 # --- bad checkpoints -------------------------------------------------------------------

@@ -1,0 +1,164 @@
+"""The step loop: many sequences decoded together over a paged KV cache. add() queues a
+sequence; each step() asks the scheduler what to compute (one token for each running
+sequence, then chunks of prompts, within a token budget), runs it as one forward pass,
+and samples a token for every sequence whose cached tokens reached its end. Sequences join
+and leave between steps (continuous batching), and a prompt whose beginning is cached
+(prefix caching) computes only the rest.
+
+Every tensor-parallel rank must make the same calls in the same order: the scheduler
+decides alike on every rank, and the sampled tokens are broadcast from rank 0."""
+
+import itertools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from generate import SamplingParams, Sequence, sample_token
+from kv_cache import BlockPool
+from llama2 import Batch
+from scheduler import Scheduler, Work
+from tokenizer import TextStream
+
+
+class Engine:
+    def __init__(self, model, tokenizer, max_seqs: int | None = None, max_batched_tokens: int = 0,
+                 prefix_caching: bool = True):
+        """max_seqs: the most sequences decoded together (default: the model's
+        max_batch_size); max_batched_tokens: the most tokens one step computes (0: no
+        limit); prefix_caching: reuse the cached blocks that a prompt starts with."""
+        self.model, self.tokenizer = model, tokenizer
+        self.device = model.tok_embeddings.weight.device
+        self.max_seq_len = model.params.max_seq_len
+        self.pool = BlockPool(model.num_blocks, model.block_size, prefix_caching)
+        self.scheduler = Scheduler(self.pool, max_seqs or model.params.max_batch_size, max_batched_tokens)
+        self.ids = itertools.count()
+
+    @property
+    def running(self) -> list[Sequence]:
+        """The sequences not finished: waiting for blocks, prefilling or decoding."""
+        return list(self.scheduler.waiting) + self.scheduler.running
+
+    def check(self, prompt_tokens: list[int], max_gen_len: int):
+        if not prompt_tokens:
+            raise ValueError("the prompt is empty")
+        if max_gen_len < 1:
+            raise ValueError(f"max_gen_len must be at least 1, got {max_gen_len}")
+        n = len(prompt_tokens) + max_gen_len
+        if n > self.max_seq_len:
+            raise ValueError(f"prompt of {len(prompt_tokens)} tokens + {max_gen_len} new tokens exceeds "
+                             f"max_seq_len {self.max_seq_len}")
+        if n > self.pool.num_blocks * self.pool.block_size:
+            raise ValueError(f"prompt of {len(prompt_tokens)} tokens + {max_gen_len} new tokens exceeds the KV "
+                             f"cache ({self.pool.num_blocks} blocks of {self.pool.block_size} tokens)")
+
+    def add(self, prompt_tokens: list[int], params: SamplingParams) -> Sequence:
+        """Queue a prompt; its prefill happens in the coming steps."""
+        self.check(prompt_tokens, params.max_gen_len)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+        seq = Sequence(list(prompt_tokens), params, next(self.ids), generator,
+                       stream=TextStream(self.tokenizer, prompt_tokens if params.continue_prompt else []))
+        self.scheduler.add(seq)
+        return seq
+
+    def release(self, seq: Sequence):
+        """Forget a sequence (finished, or its request gone): its blocks go back to the pool."""
+        if seq in self.scheduler.running or seq in self.scheduler.waiting:
+            self.scheduler.remove(seq)
+
+    def step(self):
+        """One forward pass over this step's work, and a token for each sequence whose
+        prompt or last token it finished."""
+        work = self.scheduler.schedule()
+        if not work:
+            return
+        batch, rows = self.batch(work)
+        logits = self.model.forward_batch(batch)
+        finished_prompts = []
+        for w, (first, last) in zip(work, rows):
+            seq = w.seq
+            if seq.needs_prompt_logprobs and seq.cached < len(seq.prompt_tokens):
+                self.add_prompt_logprobs(seq, logits[first:last])
+            seq.cached += w.n
+            if seq.cached == len(seq.prompt_tokens) + len(seq.tokens):
+                finished_prompts.append((seq, last - 1))
+        self.advance([s for s, _ in finished_prompts], logits[[row for _, row in finished_prompts]])
+        for w in work:
+            seq = w.seq
+            if seq.cached // self.pool.block_size > len(seq.table.hashes):
+                seq.table.commit(seq.prompt_tokens + seq.tokens, seq.cached)
+            if seq.done:
+                self.scheduler.remove(seq)
+
+    def batch(self, work: list[Work]) -> tuple[Batch, list[tuple[int, int]]]:
+        """The forward pass's Batch, and for each work the rows [first, last) of its logits:
+        the last token's only, or every token's when the prompt's logprobs are wanted."""
+        size = self.pool.block_size
+        batch = Batch(tokens=[], positions=[], slots=[], logits_at=[])
+        rows = []
+        for w in work:
+            seq, start = w.seq, w.seq.cached
+            end = start + w.n
+            blocks = seq.table.blocks
+            batch.tokens += tokens_between(seq, start, end)
+            batch.positions += range(start, end)
+            batch.slots += [blocks[p // size] * size + p % size for p in range(start, end)]
+            used = blocks[:(end - 1) // size + 1]
+            if self.scheduler.is_decode(w):
+                batch.n_decode += 1
+                batch.decode_blocks.append(used)
+            else:
+                batch.chunks.append((w.n, used))
+            index = len(batch.tokens) - w.n
+            wanted = range(index, index + w.n) if seq.needs_prompt_logprobs else range(index + w.n - 1, index + w.n)
+            rows.append((len(batch.logits_at), len(batch.logits_at) + len(wanted)))
+            batch.logits_at += wanted
+        return batch, rows
+
+    def add_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor):
+        """Log-probabilities of the prompt tokens that these logits (one row per token
+        computed, from seq.cached on) predict; nothing predicts the first token."""
+        start = seq.cached
+        targets = seq.prompt_tokens[start + 1:start + 1 + logits.shape[0]]
+        if start == 0:
+            seq.prompt_logprobs.append(0.0)
+        if targets:
+            lp = F.log_softmax(logits[:len(targets)], dim=-1)
+            seq.prompt_logprobs += lp.gather(-1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+
+    def advance(self, seqs: list[Sequence], logits: torch.Tensor):
+        """Sample a token for each sequence (rank 0's choice for every rank) and append it."""
+        if not seqs:
+            return
+        next_tokens = torch.stack([sample_token(row, s) for row, s in zip(logits, seqs)])
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(next_tokens, src=0)
+        want_logprobs = any(s.params.logprobs for s in seqs)
+        if want_logprobs:
+            chosen = F.log_softmax(logits, dim=-1).gather(-1, next_tokens[:, None])[:, 0].tolist()
+        for i, (s, token) in enumerate(zip(seqs, next_tokens.tolist())):
+            self.append(s, token, chosen[i] if want_logprobs else None)
+
+    def append(self, seq: Sequence, token: int, logprob: float | None):
+        if token in self.tokenizer.stop_ids:
+            seq.add_text(seq.stream.flush())
+            seq.finish_reason = "stop"
+            return
+        seq.tokens.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        seq.add_text(seq.stream.add(token))
+        if not seq.done and len(seq.tokens) >= seq.params.max_gen_len:
+            seq.add_text(seq.stream.flush())
+            if not seq.done:
+                seq.finish_reason = "length"
+
+
+def tokens_between(seq: Sequence, start: int, end: int) -> list[int]:
+    """seq's tokens (prompt, then generated) from start to end, without joining the lists."""
+    n = len(seq.prompt_tokens)
+    if start >= n:
+        return seq.tokens[start - n:end - n]
+    return seq.prompt_tokens[start:end] + seq.tokens[:max(0, end - n)]
