@@ -115,6 +115,8 @@ class Engine:
             wanted = range(index, index + w.n) if seq.needs_prompt_logprobs else range(index + w.n - 1, index + w.n)
             rows.append((len(batch.logits_at), len(batch.logits_at) + len(wanted)))
             batch.logits_at += wanted
+        if len(batch.logits_at) == len(batch.tokens):
+            batch.logits_at = None  # every token's (decode steps): no selection
         return batch, rows
 
     def add_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor):

@@ -1,0 +1,68 @@
+"""The engine workload of test_engine.py, in-process or as one tensor-parallel rank under
+torchrun (tests/torchrun.py):
+
+    engine_worker.py OUT_DIR FOLDER
+
+runs workload() on FOLDER (loaded with llama2.tp_llama on WORLD_SIZE ranks) once per entry
+of CONFIGS and saves {config: result} to OUT_DIR/rank{r}.pt."""
+
+import os
+import sys
+
+import torch
+
+from engine import Engine
+from generate import SamplingParams
+
+SYSTEM = "You are a cheerful assistant. You answer every question briefly, kindly and with a joke. "
+QUESTIONS = ["What is the sea?", "Why is the sky blue?", "Tell me a story.", "Count to five."]
+LONG = "A long prompt: " + " ".join(f"word{i}" for i in range(60))
+N_NEW = 12
+# (prefix caching, max_batched_tokens): chunks of 16 and 64 tokens, and whole prompts
+CONFIGS = [(caching, budget) for caching in (True, False) for budget in (16, 64, 0)]
+
+
+def workload(llama, caching: bool, budget: int, max_seqs: int = 4) -> dict:
+    """Sequences that share a system prompt, join at different steps, one leaving early,
+    more of them than max_seqs, a long prompt, and a repeat of a whole prompt. Returns
+    each sequence's tokens (in the order added), the scheduler's digest of its decisions,
+    and the prefix-cache counts."""
+    engine = Engine(llama.model, llama.tokenizer, max_seqs=max_seqs, max_batched_tokens=budget,
+                    prefix_caching=caching)
+    tok = llama.tokenizer
+    prompts = [tok.encode(SYSTEM + q, bos=True, eos=False) for q in QUESTIONS] + \
+        [tok.encode(LONG, bos=True, eos=False), tok.encode("Once upon a time", bos=True, eos=False)]
+    params = SamplingParams(max_gen_len=N_NEW, temperature=0)
+    seqs = [engine.add(prompts[0], params), engine.add(prompts[1], params)]
+    for _ in range(3):
+        engine.step()
+    seqs.append(engine.add(prompts[2], params))
+    engine.step()
+    engine.release(seqs[1])  # leaves mid-way
+    seqs += [engine.add(p, params) for p in prompts[3:]]
+    while engine.running:
+        engine.step()
+    seqs.append(engine.add(prompts[0], params))  # all of it cached but its last token
+    while engine.running:
+        engine.step()
+    assert engine.pool.num_used == 0
+    return {"tokens": [s.tokens for s in seqs], "digest": engine.scheduler.digest.hexdigest(),
+            "queries": engine.pool.queries, "hits": engine.pool.hits, "preemptions": engine.scheduler.preemptions}
+
+
+def main():
+    import torch.distributed as dist
+
+    import llama2
+
+    out_dir, folder = sys.argv[1], sys.argv[2]
+    world_size = int(os.environ["WORLD_SIZE"])
+    llama = llama2.tp_llama(None, folder, None, world_size, max_batch_size=4, max_seq_len=256)
+    result = {config: workload(llama, *config) for config in CONFIGS}
+    torch.save(result, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

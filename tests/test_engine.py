@@ -1,0 +1,205 @@
+"""The serving engine: the block pool and prefix hashes (kv_cache.py), the scheduler's
+budget, admission and preemption (scheduler.py), and the engine's outputs (engine.py):
+greedy tokens identical with prefix caching on and off, with chunks of 16 and 64 tokens
+and whole prompts, with sequences joining and leaving, at TP 1 and 2 (where the ranks'
+decisions, block tables included, agree), when blocks run out, and compiled."""
+
+import os
+
+import pytest
+import torch
+
+import llama2
+from conftest import DEMO
+from engine import Engine
+from engine_worker import CONFIGS, N_NEW, SYSTEM, workload
+from generate import SamplingParams
+from kv_cache import BlockPool, BlockTable, block_hash
+from scheduler import Scheduler
+from torchrun import run
+
+
+def demo(max_seq_len: int = 256, **kwargs):
+    return llama2.tp_llama(None, DEMO, None, 1, max_batch_size=4, max_seq_len=max_seq_len, **kwargs)
+
+
+# --- kv_cache.py -----------------------------------------------------------------------------
+
+def test_block_pool_reuses_least_recently_freed_and_keeps_hashes():
+    pool = BlockPool(4, 2)
+    a, b = BlockTable(pool), BlockTable(pool)
+    assert a.grow(4) and a.blocks == [0, 1] and pool.num_free == 2
+    a.commit([1, 2, 3, 4], 4)  # two full blocks, named by their tokens and their parent
+    assert a.hashes == [block_hash(b"", [1, 2]), block_hash(block_hash(b"", [1, 2]), [3, 4])]
+    assert not b.grow(6) and b.blocks == []  # all or nothing
+    a.free()  # freed last block first: [1, 2]'s block is evicted last
+    assert list(pool.free) == [2, 3, 1, 0]
+    c = BlockTable(pool)
+    assert c.match_prefix([1, 2, 3, 4, 5], 4) == 4 and c.blocks == [0, 1]  # found by hash, held again
+    assert pool.ref[0] == pool.ref[1] == 1 and pool.num_free == 2
+    d = BlockTable(pool)
+    assert d.match_prefix([1, 2, 9, 9], 4) == 2  # shares the first block only
+    assert pool.ref[0] == 2
+    c.free()
+    d.free()
+    e = BlockTable(pool)
+    assert e.grow(8) and pool.num_free == 0  # takes every block: the cached ones forget their hashes
+    assert pool.cached == {} and e.blocks == [2, 3, 1, 0]
+    e.free()
+    assert BlockTable(pool).match_prefix([1, 2, 3, 4], 4) == 0
+
+
+def test_block_pool_without_caching_finds_nothing():
+    pool = BlockPool(4, 2, caching=False)
+    a = BlockTable(pool)
+    a.grow(4)
+    a.commit([1, 2, 3, 4], 4)
+    a.free()
+    assert BlockTable(pool).match_prefix([1, 2, 3, 4], 4) == 0 and pool.cached == {}
+
+
+class FakeSeq:
+    def __init__(self, id, prompt, generated=0):
+        self.id, self.prompt_tokens, self.tokens = id, list(prompt), [0] * generated
+        self.needs_prompt_logprobs = False
+
+
+def test_scheduler_budget_decodes_first_and_chunks():
+    pool = BlockPool(64, 4)
+    sched = Scheduler(pool, max_seqs=3, max_batched_tokens=10)
+    long, short = FakeSeq(0, range(100, 125)), FakeSeq(1, range(200, 203))
+    sched.add(long)
+    sched.add(short)
+    work = sched.schedule()
+    assert [(w.seq.id, w.n) for w in work] == [(0, 10)]  # a chunk of the long prompt fills the budget
+    long.cached += 10
+    work = sched.schedule()
+    assert [(w.seq.id, w.n) for w in work] == [(0, 10)]  # the running sequence goes on first
+    long.cached += 10
+    work = sched.schedule()
+    assert [(w.seq.id, w.n) for w in work] == [(0, 5), (1, 3)]  # its last chunk, then the next prompt
+    long.cached += 5
+    short.cached += 3
+    long.tokens.append(7)
+    short.tokens.append(8)
+    for s in (FakeSeq(2, range(9)), FakeSeq(3, range(9))):
+        sched.add(s)
+    work = sched.schedule()
+    # the two decoding sequences first, then a chunk of the next prompt; a fourth sequence waits (max_seqs)
+    assert [(w.seq.id, w.n) for w in work] == [(0, 1), (1, 1), (2, 8)]
+    assert [s.id for s in sched.waiting] == [3]
+
+
+def test_scheduler_preempts_the_newest_when_blocks_run_out():
+    pool = BlockPool(4, 2)
+    sched = Scheduler(pool, max_seqs=4)
+    old, new = FakeSeq(0, [1, 2, 3]), FakeSeq(1, [4, 5, 6])
+    sched.add(old)
+    sched.add(new)
+    assert [(w.seq.id, w.n) for w in sched.schedule()] == [(0, 3), (1, 3)]  # 2 blocks each
+    for s in (old, new):
+        s.cached = 3
+        s.tokens.append(9)
+    work = sched.schedule()  # both fit their 4th token in their 2nd block
+    for s in (old, new):
+        s.cached = 4
+        s.tokens.append(9)
+    work = sched.schedule()  # the 5th token needs a 3rd block: the newest gives its blocks
+    assert [(w.seq.id, w.n) for w in work] == [(0, 1)] and sched.preemptions == 1
+    assert list(sched.waiting) == [new] and new.cached == 0 and new.table.blocks == []
+
+
+# --- engine.py --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def results():
+    llama = demo()
+    return {config: workload(llama, *config) for config in CONFIGS}
+
+
+def test_greedy_tokens_identical_with_and_without_caching_and_chunks(results):
+    reference = results[(False, 0)]["tokens"]  # no prefix caching, whole prompts
+    for config, result in results.items():
+        tokens = result["tokens"]
+        # the sequence that left early has as many tokens as it had time for
+        left = tokens[1]
+        assert left == reference[1][:len(left)] or reference[1] == left[:len(reference[1])], config
+        assert tokens[:1] + tokens[2:] == reference[:1] + reference[2:], config
+        assert result["hits"] > 0 if config[0] else result["hits"] == 0
+    assert reference[-1] == reference[0]  # the repeated prompt
+    assert all(len(t) == N_NEW for t in reference[3:6]) and len(reference[1]) < N_NEW
+
+
+def test_prefix_hit_computes_only_the_rest():
+    llama = demo()
+    engine = Engine(llama.model, llama.tokenizer, max_seqs=4)
+    computed = []
+    real = llama.model.forward_batch
+    llama.model.forward_batch = lambda batch: computed.append(len(batch.tokens)) or real(batch)
+    tok, params = llama.tokenizer, SamplingParams(max_gen_len=4, temperature=0)
+    prompts = [tok.encode(SYSTEM + q, bos=True, eos=False) for q in ("Hi?", "Who are you?")]
+    first = engine.add(prompts[0], params)
+    while engine.running:
+        engine.step()
+    computed.clear()
+    second = engine.add(prompts[1], params)
+    engine.step()
+    shared = len(os.path.commonprefix([prompts[0], prompts[1]]))
+    cached = shared // engine.pool.block_size * engine.pool.block_size
+    assert cached >= 16 and computed == [len(prompts[1]) - cached]
+    again = engine.add(prompts[0], params)  # cached: its full blocks but the one with its last token
+    engine.step()
+    size = engine.pool.block_size
+    assert computed[-1] == 1 + len(prompts[0]) - (len(prompts[0]) - 1) // size * size  # + the second's next token
+    while engine.running:
+        engine.step()
+    assert again.tokens == first.tokens
+    alone = Engine(llama.model, tok, prefix_caching=False)
+    s = alone.add(prompts[1], params)
+    while alone.running:
+        alone.step()
+    assert second.tokens == s.tokens
+
+
+def test_blocks_running_out_preempt_and_recompute():
+    """A pool of 9 blocks of 16 tokens for four sequences of 33-44 tokens: some are
+    preempted and recomputed, none fails, and every one gets the tokens it gets alone."""
+    llama = demo(max_seq_len=128)
+    llama.model.setup_caches(num_blocks=9)
+    tok = llama.tokenizer
+    prompts = [tok.encode(f"Story {i}: " + "once upon a time " * (2 + i), bos=True, eos=False) for i in range(4)]
+    params = SamplingParams(max_gen_len=24, temperature=0)
+    alone = []
+    for p in prompts:
+        engine = Engine(llama.model, tok, prefix_caching=False)
+        seq = engine.add(p, params)
+        while engine.running:
+            engine.step()
+        alone.append(seq.tokens)
+    engine = Engine(llama.model, tok, max_seqs=4, prefix_caching=False)
+    seqs = [engine.add(p, params) for p in prompts]
+    while engine.running:
+        engine.step()
+    assert engine.scheduler.preemptions > 0
+    assert [s.tokens for s in seqs] == alone
+    assert engine.pool.num_used == 0
+
+
+def test_tp2_ranks_decide_alike_and_match_tp1(results, tmp_path):
+    ranks = run("engine_worker.py", 2, tmp_path, DEMO)
+    for config in CONFIGS:
+        assert ranks[0][config]["digest"] == ranks[1][config]["digest"], config
+        for rank in ranks:
+            assert rank[config]["tokens"] == results[config]["tokens"], config
+            assert rank[config]["hits"] == results[config]["hits"]
+
+
+def test_compiled_engine_never_recompiles():
+    """compile_decode's graphs serve the engine's decode steps, whatever the number of
+    sequences and blocks; prefill chunks run eager. Outputs equal the eager engine's."""
+    llama = demo()
+    eager = workload(llama, True, 16)
+    llama.model.compile_decode()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = workload(llama, True, 16)
+    assert compiled["tokens"] == eager["tokens"]
