@@ -104,7 +104,7 @@ BAD_DIALOGS = [[], {}, "hi", [{"role": "user"}], [{"role": "robot", "content": "
                [{"role": "\U0001F464", "content": "x"}],
                [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}],
                [{"role": "user" if i % 2 == 0 else "assistant", "content": "x"} for i in range(65)]]
-NEUTRAL_BREAKERS = {"n": 2, "best_of": 3, "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"5": 1},
+BAD_OPENAI_FIELDS = {"n": 0, "best_of": 3, "presence_penalty": 2.5, "frequency_penalty": -3, "logit_bias": {"5": 101},
                     "suffix": "end", "tools": [{"type": "function"}], "response_format": {"type": "json_object"}}
 
 
@@ -136,8 +136,8 @@ def mutation(route: str, rng: random.Random) -> tuple[str, bytes, str | tuple]:
             name = rng.choice(["max_tokens", "n", "model", "dialogue", "Prompt", "\u00fcber"])
             body[name] = 1
             return f"{op}:{name}", json.dumps(body).encode(), name
-        name = rng.choice(sorted(NEUTRAL_BREAKERS))
-        body[name] = NEUTRAL_BREAKERS[name]
+        name = rng.choice(sorted(BAD_OPENAI_FIELDS))
+        body[name] = BAD_OPENAI_FIELDS[name]
         return f"{op}:{name}", json.dumps(body).encode(), name
     raw = json.dumps(body).encode()
     if op == "truncate":
@@ -222,8 +222,8 @@ def hand_written() -> list[tuple]:
          "does not exist"),
         ("model as a list", CHAT, b'{"model": ["llama"], "messages": []}', "application/json", 404, "model",
          "does not exist"),
-        ("top logprobs", COMPLETIONS, b'{"prompt": "a", "logprobs": 3}', "application/json", 400, "logprobs",
-         "not supported"),
+        ("too many top logprobs", COMPLETIONS, b'{"prompt": "a", "logprobs": 21}', "application/json", 400,
+         "logprobs", "between 0 and 20"),
         ("stream with logprobs", CHAT, b'{"messages": [{"role": "user", "content": "a"}], "logprobs": true, '
          b'"stream": true}', "application/json", 400, "logprobs", "not supported with stream"),
         ("image part", CHAT, json.dumps({"messages": [{"role": "user", "content": [
