@@ -54,9 +54,12 @@ def test_completion_top_logprobs_with_echo(client, demo_llama):
     assert lp.tokens == [tok.token_str(i) for i in ids]
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     rows = log_softmax(demo_llama, ids)
+    diffs = []
     for i in range(1, len(ids)):
-        assert lp.token_logprobs[i] == pytest.approx(rows[i - 1, ids[i]].item(), abs=TOL)
+        diffs.append(abs(lp.token_logprobs[i] - rows[i - 1, ids[i]].item()))
         check_top(lp.top_logprobs[i], rows[i - 1], 5, tok, ids[i])
+    print(f"completion logprobs: {len(diffs)} positions, max |server - in-process| = {max(diffs):.2e}")
+    assert max(diffs) < TOL
     # text_offset: where each token's text starts in the text returned
     assert choice.text == PROMPT + tok.decode(ids)[len(tok.decode(prompt_ids)):]
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[1] == 0
@@ -73,12 +76,14 @@ def test_chat_top_logprobs(client, demo_llama):
     content = out.choices[0].logprobs.content
     assert [c.token for c in content] == [tok.token_str(i) for i in new_ids]
     rows = log_softmax(demo_llama, prompt_ids + new_ids)[len(prompt_ids) - 1:]
+    diffs = []
     for c, i, row in zip(content, new_ids, rows):
-        assert c.logprob == pytest.approx(row[i].item(), abs=TOL)
         assert bytes(c.bytes) == tok.token_bytes(i)
         values, ids = row.topk(4)
         assert [t.token for t in c.top_logprobs] == [tok.token_str(j) for j in ids.tolist()]
-        assert [t.logprob for t in c.top_logprobs] == pytest.approx(values.tolist(), abs=TOL)
+        diffs += [abs(c.logprob - row[i].item())] + [abs(t.logprob - v) for t, v in zip(c.top_logprobs, values.tolist())]
+    print(f"chat logprobs and top logprobs: {len(diffs)} values, max |server - in-process| = {max(diffs):.2e}")
+    assert max(diffs) < TOL
 
 
 def test_n_with_a_seed(client):
