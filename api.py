@@ -48,6 +48,7 @@ def dataclass_from(cls, values: dict | None, where: str):
 class Request:
     api: str  # "native", "completions" or "chat"
     chat: bool = False
+    input_field: str = "prompt"  # the field the inputs came in: prompt, dialog or messages
     inputs: list = field(default_factory=list)  # prompt strings or token-id lists, or dialogs
     texts: list = field(default_factory=list)  # each text input's prompt as text (echo gives it back)
     n: int = 1  # sequences (choices) per input; sequence k answers input k // n
@@ -247,7 +248,7 @@ def parse_native(body, limits: Limits, defaults: Defaults) -> Request:
     if len(given) != 1:
         raise RequestError("give exactly one of prompt (text completion) or dialog/messages (chat)"
                            + (f", not {' and '.join(given)}" if given else ""), "prompt")
-    req = Request("native", chat=given[0] != "prompt")
+    req = Request("native", chat=given[0] != "prompt", input_field=given[0])
     if req.chat:
         req.inputs = [get_dialog(body, given[0], limits)]
     else:
@@ -321,7 +322,7 @@ def sequences(req: Request, tokenizer, max_seq_len: int, limits: Limits,
     """Each sequence's prompt tokens and sampling settings (n per input), checked against
     the context and the vocabulary. Fills req.texts."""
     out = []
-    param = "messages" if req.api == "chat" else ("dialog" if req.chat else "prompt")
+    param = req.input_field
     max_param = "max_new_tokens" if req.api == "native" else "max_tokens"
     prompt_limit = min(limits.max_prompt_tokens or max_seq_len - 1, max_seq_len - 1)
     for name in ("stop_token_ids", "logit_bias"):

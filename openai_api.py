@@ -28,7 +28,7 @@ def parse(route: str, body, model_name: str, limits: Limits, defaults: Defaults)
     for name, allowed in NEUTRAL.items():
         if name in body and body[name] not in allowed:
             raise RequestError(f"{name}={json.dumps(body[name])} is not supported (only {allowed[-1]!r})", name)
-    req = Request(route, chat=route == "chat")
+    req = Request(route, chat=route == "chat", input_field="messages" if route == "chat" else "prompt")
     if req.chat:
         req.inputs = [chat_messages(body, limits)]
         req.max_new_tokens = max_tokens(body, limits, "max_completion_tokens")

@@ -149,7 +149,8 @@ def refused(e: RequestError):
 def accepted(req: api.Request, prepared, tokenizer, limits: Limits, max_seq_len: int):
     """What a request that passed must satisfy: what the engine accepts without a check failing."""
     assert 1 <= len(req.inputs) * req.n == len(prepared) <= limits.max_prompts
-    assert req.batched or len(req.inputs) == req.n == 1
+    assert req.batched or len(req.inputs) == 1
+    assert req.api != "native" or req.batched or len(prepared) == 1  # native: n > 1 answers with a list
     assert isinstance(req.stream, bool) and isinstance(req.include_usage, bool)
     prompt_limit = min(limits.max_prompt_tokens or max_seq_len - 1, max_seq_len - 1)
     for k, (tokens, params) in enumerate(prepared):

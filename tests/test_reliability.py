@@ -133,7 +133,7 @@ def mutation(route: str, rng: random.Random) -> tuple[str, bytes, str | tuple]:
         return f"{op}:{field}", json.dumps(body).encode(), ("prompt", "messages")
     if op == "extra":
         if route == "native":
-            name = rng.choice(["max_tokens", "n", "model", "dialogue", "Prompt", "\u00fcber"])
+            name = rng.choice(["max_tokens", "best_of", "model", "dialogue", "Prompt", "\u00fcber"])
             body[name] = 1
             return f"{op}:{name}", json.dumps(body).encode(), name
         name = rng.choice(sorted(BAD_OPENAI_FIELDS))
@@ -551,7 +551,8 @@ def test_limit_max_new_tokens(limited):
     # the default (64 in model-config.yaml) is cut to the cap
     assert limited.generate({"prompt": "Once upon a time", "temperature": 0}) == answer
     refused(limited, {"prompt": "a", "max_new_tokens": cap + 1}, NATIVE, 400, "max_new_tokens", [f"1 and {cap}"])
-    refused(limited, {"prompt": "a", "max_tokens": cap + 1}, COMPLETIONS, 400, "max_tokens", [f"1 and {cap}"])
+    # 0 scores a prompt (with echo) on the completions route
+    refused(limited, {"prompt": "a", "max_tokens": cap + 1}, COMPLETIONS, 400, "max_tokens", [f"0 and {cap}"])
     refused(limited, {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": cap + 1}, CHAT, 400,
             "max_completion_tokens", [f"1 and {cap}"])
 
@@ -571,6 +572,10 @@ def test_limit_prompts_per_request(limited):
     assert len(limited.generate({"prompt": ["a"] * n, "max_new_tokens": 2})) == n
     refused(limited, {"prompt": ["a"] * (n + 1)}, NATIVE, 400, "prompt", [f"{n + 1} prompts", f"limit is {n}"])
     refused(limited, {"prompt": ["a"] * (n + 1)}, COMPLETIONS, 400, "prompt", [f"limit is {n}"])
+    # n answers per prompt take n slots
+    assert len(limited.generate({"prompt": "a", "n": n, "max_new_tokens": 2})) == n
+    refused(limited, {"prompt": "a", "n": n + 1}, COMPLETIONS, 400, "n", [f"between 1 and {n}"])
+    refused(limited, {"prompt": ["a", "b"], "n": 2}, NATIVE, 400, "n", ["4 sequences", f"limit is {n}"])
 
 
 def test_limit_messages_per_dialog(limited):
