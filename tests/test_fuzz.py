@@ -73,18 +73,27 @@ seeds = mostly(st.integers(0, (1 << 63) - 1), st.one_of(st.integers(max_value=-1
 flags = mostly(st.booleans())
 stops = mostly(st.one_of(st.text(min_size=1, max_size=5), st.lists(st.text(min_size=1, max_size=5), max_size=3)),
                st.one_of(st.just(""), st.lists(text, max_size=20), json_values))
+def often(valid, invalid):
+    """valid values about four times in five: for the many optional sampling fields, so that
+    bodies with several of them still pass now and then."""
+    return st.one_of(valid, valid, valid, valid, invalid)
+
+
 # token ids: mostly in the demo vocabulary (4096), sometimes past it or negative
 token_ids = st.one_of(st.integers(0, 4095), st.integers(0, 4095), st.integers(-3, 1 << 40))
-id_lists = mostly(st.lists(token_ids, max_size=6), st.one_of(st.lists(st.one_of(token_ids, json_values), max_size=4),
-                                                             st.lists(token_ids, min_size=65, max_size=70)))
-penalties = mostly(st.floats(-2, 2), st.one_of(st.floats(2.0001, 1e9), st.floats(-1e9, -2.0001), numbers, json_values))
-repetition = mostly(st.floats(1e-6, 2), st.one_of(st.just(0), st.floats(-5, 0), st.floats(2.0001, 100), numbers))
-logit_bias = mostly(st.dictionaries(st.integers(0, 4095).map(str), st.floats(-100, 100), max_size=4),
-                    st.one_of(st.dictionaries(st.one_of(text, st.integers(-5, 1 << 40).map(str)),
-                                              st.one_of(numbers, json_values), max_size=3), json_values))
-choices = mostly(st.integers(1, 4), st.one_of(st.integers(-1, 0), st.integers(5, 100), numbers, json_values))
-min_tokens = mostly(st.integers(0, 20), st.one_of(st.integers(max_value=-1), st.integers(21, 1 << 20), numbers))
-top_logprobs = mostly(st.integers(0, 20), st.one_of(st.integers(-2, -1), st.integers(21, 100), numbers, json_values))
+id_lists = often(st.lists(token_ids, max_size=6), st.one_of(st.lists(st.one_of(token_ids, json_values), max_size=4),
+                                                            st.lists(token_ids, min_size=65, max_size=70)))
+penalties = often(st.floats(-2, 2), st.one_of(st.floats(2.0001, 1e9), st.floats(-1e9, -2.0001), numbers, json_values))
+repetition = often(st.floats(1e-6, 2), st.one_of(st.just(0), st.floats(-5, 0), st.floats(2.0001, 100), numbers))
+logit_bias = often(st.dictionaries(st.integers(0, 4095).map(str), st.floats(-100, 100), max_size=4),
+                   st.one_of(st.dictionaries(st.one_of(text, st.integers(-5, 1 << 40).map(str)),
+                                             st.one_of(numbers, json_values), max_size=3), json_values))
+# valid values of the fields below are mostly small: the more fields a body has, the fewer
+# bodies pass every check, and each property needs accepted requests too
+choices = often(st.integers(1, 2), st.one_of(st.integers(-1, 0), st.integers(3, 100), numbers, json_values))
+min_tokens = often(st.integers(0, 4), st.one_of(st.integers(max_value=-1), st.integers(5, 1 << 20), numbers))
+top_logprobs = often(st.one_of(st.just(0), st.integers(0, 20)),
+                     st.one_of(st.integers(-2, -1), st.integers(21, 100), numbers, json_values))
 
 COMMON = {"temperature": temperatures, "top_p": top_ps, "top_k": top_ks, "seed": seeds, "stop": stops,
           "stream": flags, "n": choices, "presence_penalty": penalties, "frequency_penalty": penalties,
