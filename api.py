@@ -46,11 +46,13 @@ def dataclass_from(cls, values: dict | None, where: str):
 
 @dataclass
 class Request:
-    api: str  # "native", "completions", "chat" or "models"
+    api: str  # "native", "completions" or "chat"
     chat: bool = False
-    inputs: list = field(default_factory=list)  # prompt strings, or dialogs
-    input_field: str = "prompt"  # the body's field that held them: errors name it
-    batched: bool = False  # a list of prompts came in: a list of answers goes out
+    input_field: str = "prompt"  # the field the inputs came in: prompt, dialog or messages
+    inputs: list = field(default_factory=list)  # prompt strings or token-id lists, or dialogs
+    texts: list = field(default_factory=list)  # each text input's prompt as text (echo gives it back)
+    n: int = 1  # sequences (choices) per input; sequence k answers input k // n
+    batched: bool = False  # a list of prompts (or n > 1) came in: a list of answers goes out
     stream: bool = False
     max_new_tokens: int | None = None  # None: the default, cut to what the context leaves
     sampling: dict = field(default_factory=dict)  # SamplingParams fields but max_gen_len
@@ -156,19 +158,59 @@ def get_stop(body: dict, name: str = "stop", max_count: int = 16) -> tuple[str, 
     return tuple(stops)
 
 
-def get_prompts(body: dict, name: str, limits: Limits) -> tuple[list[str], bool]:
-    """(prompts, batched) from a string or a non-empty list of strings."""
+def get_prompts(body: dict, name: str, limits: Limits, token_ids: bool = False) -> tuple[list, bool]:
+    """(prompts, batched) from a string or a non-empty list of strings; with token_ids, also
+    from a list of token ids or a list of such lists (OpenAI's completions)."""
     value = body[name]
-    if isinstance(value, str):
+    if isinstance(value, str) or (token_ids and is_id_list(value) and value):
         return [value], False
+    kinds = "strings or of token-id lists" if token_ids else "strings"
     if not isinstance(value, list) or not value:
-        raise RequestError(f"{name} must be a string or a non-empty list of strings", name)
+        raise RequestError(f"{name} must be a string or a non-empty list of {kinds}", name)
     for i, p in enumerate(value):
-        if not isinstance(p, str):
-            raise RequestError(f"{name}[{i}] must be a string, got {type_name(p)}", f"{name}[{i}]")
+        if not (isinstance(p, str) or (token_ids and is_id_list(p))):
+            raise RequestError(f"{name}[{i}] must be a string{' or a list of token ids' if token_ids else ''}, "
+                               f"got {type_name(p)}", f"{name}[{i}]")
+        if isinstance(p, list) and not p:
+            raise RequestError(f"{name}[{i}] is an empty list of token ids", f"{name}[{i}]")
     if len(value) > limits.max_prompts:
         raise RequestError(f"{name} holds {len(value)} prompts, the limit is {limits.max_prompts}", name)
     return value, True
+
+
+def is_id_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def get_token_ids(body: dict, name: str, max_count: int) -> tuple[int, ...]:
+    """A list of token ids (checked against the vocabulary in check_token_ids)."""
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not is_id_list(value):
+        raise RequestError(f"{name} must be a list of token ids (integers)", name)
+    if len(value) > max_count:
+        raise RequestError(f"{name} may hold at most {max_count} ids, got {len(value)}", name)
+    return tuple(value)
+
+
+def get_logit_bias(body: dict, name: str = "logit_bias") -> dict[int, float]:
+    """OpenAI's logit_bias: {"token id": bias from -100 to 100}."""
+    value = body.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RequestError(f"{name} must be an object mapping token ids to biases, got {type_name(value)}", name)
+    bias = {}
+    for key, b in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+            raise RequestError(f"{name} keys must be token ids (strings of digits), got {key!r}", name)
+        b = value[key]
+        if not isinstance(b, (int, float)) or isinstance(b, bool) or not math.isfinite(b) or not -100 <= b <= 100:
+            got = b if isinstance(b, (int, float)) and not isinstance(b, bool) else type_name(b)
+            raise RequestError(f"{name}[{key!r}] must be a number from -100 to 100, got {got}", name)
+        bias[int(key)] = float(b)
+    return bias
 
 
 def get_dialog(body: dict, name: str, limits: Limits) -> list:
@@ -190,7 +232,9 @@ def type_name(value) -> str:
 # --- the native API ----------------------------------------------------------------------
 
 NATIVE_FIELDS = {"prompt", "dialog", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
-                 "stop", "logprobs", "echo", "stream"}
+                 "stop", "logprobs", "top_logprobs", "echo", "stream", "n", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos"}
+MAX_TOP_LOGPROBS = 20
 
 
 def parse_native(body, limits: Limits, defaults: Defaults) -> Request:
@@ -210,51 +254,109 @@ def parse_native(body, limits: Limits, defaults: Defaults) -> Request:
         req.inputs, req.batched = get_prompts(body, "prompt", limits)
     req.stream = get_bool(body, "stream")
     req.max_new_tokens = get_int(body, "max_new_tokens", 1, limits.max_new_tokens)
+    req.n = get_n(body, len(req.inputs), limits)
+    req.batched = req.batched or req.n > 1
     req.sampling = sampling_fields(body, defaults, top_p="top_p")
     req.sampling["logprobs"] = get_bool(body, "logprobs")
+    req.sampling["top_logprobs"] = get_top_logprobs(body, req.sampling["logprobs"], "logprobs: true")
     req.sampling["echo"] = get_bool(body, "echo")
     if req.chat and req.sampling["echo"]:
         raise RequestError("echo is only for text completion", "echo")
     return req
 
 
+def get_n(body: dict, inputs: int, limits: Limits) -> int:
+    """n: sequences per input, each in its own KV-cache slot."""
+    n = get_int(body, "n", 1, limits.max_prompts, 1)
+    if n * inputs > limits.max_prompts:
+        raise RequestError(f"n={n} for {inputs} prompts makes {n * inputs} sequences, the limit is "
+                           f"{limits.max_prompts}", "n")
+    return n
+
+
+def get_top_logprobs(body: dict, logprobs: bool, needs: str) -> int:
+    top = get_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
+    if top and not logprobs:
+        raise RequestError(f"top_logprobs needs {needs}", "top_logprobs")
+    return top
+
+
 MIN_TEMPERATURE = 1e-5  # below it, greedy: logits / temperature would overflow float32 into NaN
 
 
 def sampling_fields(body: dict, defaults: Defaults, top_p: str) -> dict:
-    """temperature, top_p, top_k, seed and stop, validated, with defaults filled in."""
+    """temperature, top_p, top_k, seed, stop, penalties, logit_bias, min_tokens,
+    stop_token_ids and ignore_eos, validated, with defaults filled in."""
     temperature = get_number(body, "temperature", 0.0, 2.0, defaults.temperature)
     return {"temperature": temperature if temperature >= MIN_TEMPERATURE else 0.0,
             "top_p": get_number(body, top_p, 0.0, 1.0, defaults.top_p, lo_open=True),
             "top_k": get_int(body, "top_k", 0, 1 << 31, defaults.top_k),
             "seed": get_int(body, "seed", 0, (1 << 63) - 1),
-            "stop": get_stop(body)}
+            "stop": get_stop(body),
+            "presence_penalty": get_number(body, "presence_penalty", -2.0, 2.0, 0.0),
+            "frequency_penalty": get_number(body, "frequency_penalty", -2.0, 2.0, 0.0),
+            "repetition_penalty": get_number(body, "repetition_penalty", 0.0, 2.0, 1.0, lo_open=True),
+            "logit_bias": get_logit_bias(body),
+            "min_tokens": get_int(body, "min_tokens", 0, 1 << 31, 0),
+            "stop_token_ids": get_token_ids(body, "stop_token_ids", 64),
+            "ignore_eos": get_bool(body, "ignore_eos")}
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of a request's choice-th sequence: the request's for the first, others
+    derived from it (so that n sequences differ and each is reproducible)."""
+    if seed is None or choice == 0:
+        return seed
+    return (seed + choice * 0x9E3779B97F4A7C15) % (1 << 63)
+
+
+def check_token_ids(ids, n_words: int, param: str):
+    for t in ids:
+        if not 0 <= t < n_words:
+            raise RequestError(f"{param} holds token id {t}; the vocabulary has ids 0 to {n_words - 1}", param)
 
 
 def sequences(req: Request, tokenizer, max_seq_len: int, limits: Limits,
               defaults: Defaults) -> list[tuple[list[int], SamplingParams]]:
-    """Each input's prompt tokens and sampling settings, checked against the context."""
+    """Each sequence's prompt tokens and sampling settings (n per input), checked against
+    the context and the vocabulary. Fills req.texts."""
     out = []
     param = req.input_field
     max_param = "max_new_tokens" if req.api == "native" else "max_tokens"
     prompt_limit = min(limits.max_prompt_tokens or max_seq_len - 1, max_seq_len - 1)
+    for name in ("stop_token_ids", "logit_bias"):
+        check_token_ids(req.sampling.get(name, ()), tokenizer.n_words, name)
     for i, item in enumerate(req.inputs):
         where = param if len(req.inputs) == 1 or req.chat else f"{param}[{i}]"
         check_text(item, where, where)
         try:
-            tokens = chat_format.encode_dialog(tokenizer, item) if req.chat else tokenizer.encode(item, bos=True, eos=False)
+            if req.chat:
+                tokens = chat_format.encode_dialog(tokenizer, item)
+            elif isinstance(item, list):  # token ids, as they are
+                check_token_ids(item, tokenizer.n_words, where)
+                tokens = item
+            else:
+                tokens = tokenizer.encode(item, bos=True, eos=False)
         except ValueError as e:  # a rule of the chat format
             raise RequestError(str(e).replace("dialog", param), param) from None
+        if not req.chat:
+            req.texts.append(tokenizer.decode(item) if isinstance(item, list) else item)
         if len(tokens) > prompt_limit:
             raise RequestError(f"{where} has {len(tokens)} tokens, the limit is {prompt_limit}", where)
         room = max_seq_len - len(tokens)
-        n = req.max_new_tokens
-        if n is None:
-            n = min(defaults.max_new_tokens, room, limits.max_new_tokens)
-        elif n > room:
-            raise RequestError(f"{where} has {len(tokens)} tokens and {n} new tokens were asked for; the context "
-                               f"holds {max_seq_len}, so at most {room} new tokens fit", max_param)
-        out.append((tokens, SamplingParams(max_gen_len=n, continue_prompt=not req.chat, **req.sampling)))
+        new = req.max_new_tokens
+        if new is None:
+            new = min(defaults.max_new_tokens, room, limits.max_new_tokens)
+        elif new > room:
+            raise RequestError(f"{where} has {len(tokens)} tokens and {new} new tokens were asked for; the "
+                               f"context holds {max_seq_len}, so at most {room} new tokens fit", max_param)
+        if req.sampling.get("min_tokens", 0) > new:
+            raise RequestError(f"min_tokens {req.sampling['min_tokens']} is more than the {new} new tokens of "
+                               f"{where}", "min_tokens")
+        sampling = dict(req.sampling)
+        for choice in range(req.n):
+            sampling["seed"] = choice_seed(req.sampling.get("seed"), choice)
+            out.append((tokens, SamplingParams(max_gen_len=new, continue_prompt=not req.chat, **sampling)))
     return out
 
 
@@ -265,11 +367,11 @@ STREAM_TYPE = "application/jsonl"  # one JSON object per line
 
 def answer(req: Request, seqs: list[Sequence], tokenizer, meta: dict) -> dict | list:
     answers = []
-    for seq, item in zip(seqs, req.inputs):
+    for k, seq in enumerate(seqs):
         if req.chat:
             generation = {"role": "assistant", "content": seq.text}
         else:
-            generation = (item if seq.params.echo else "") + seq.text
+            generation = (req.texts[k // req.n] if seq.params.echo else "") + seq.text
         answers.append(generate.prediction(seq, tokenizer, generation))
     return answers if req.batched else answers[0]
 
@@ -277,7 +379,7 @@ def answer(req: Request, seqs: list[Sequence], tokenizer, meta: dict) -> dict | 
 def chunk(req: Request, meta: dict, index: int, text: str, first: bool) -> str:
     """One streamed line with new text (the first one starts with the prompt when echo)."""
     if first and req.sampling.get("echo"):
-        text = req.inputs[index] + text
+        text = req.texts[index // req.n] + text
     return json.dumps(({"index": index} if req.batched else {}) | {"text": text}) + "\n"
 
 

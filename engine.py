@@ -12,9 +12,8 @@ import itertools
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from generate import SamplingParams, Sequence, sample_token
+from generate import SamplingParams, Sequence, adjust_logits, sample, token_logprobs
 from kv_cache import BlockPool
 from llama2 import Batch
 from scheduler import Scheduler, Work
@@ -39,11 +38,12 @@ class Engine:
         """The sequences not finished: waiting for blocks, prefilling or decoding."""
         return list(self.scheduler.waiting) + self.scheduler.running
 
-    def check(self, prompt_tokens: list[int], max_gen_len: int):
+    def check(self, prompt_tokens: list[int], params: SamplingParams):
         if not prompt_tokens:
             raise ValueError("the prompt is empty")
-        if max_gen_len < 1:
-            raise ValueError(f"max_gen_len must be at least 1, got {max_gen_len}")
+        max_gen_len = params.max_gen_len
+        if max_gen_len < (0 if params.echo else 1):
+            raise ValueError(f"max_gen_len must be at least 1 (0 only with echo), got {max_gen_len}")
         n = len(prompt_tokens) + max_gen_len
         if n > self.max_seq_len:
             raise ValueError(f"prompt of {len(prompt_tokens)} tokens + {max_gen_len} new tokens exceeds "
@@ -53,15 +53,29 @@ class Engine:
                              f"cache ({self.pool.num_blocks} blocks of {self.pool.block_size} tokens)")
 
     def add(self, prompt_tokens: list[int], params: SamplingParams) -> Sequence:
-        """Queue a prompt; its prefill happens in the coming steps."""
-        self.check(prompt_tokens, params.max_gen_len)
+        """Queue a prompt; its prefill happens in the coming steps (with max_gen_len 0 and
+        echo, the prompt is only scored)."""
+        self.check(prompt_tokens, params)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed)
         seq = Sequence(list(prompt_tokens), params, next(self.ids), generator,
                        stream=TextStream(self.tokenizer, prompt_tokens if params.continue_prompt else []))
+        self.prepare(seq)
         self.scheduler.add(seq)
         return seq
+
+    def prepare(self, seq: Sequence):
+        """The sampling state that the sequence's settings need."""
+        p, vocab = seq.params, self.model.vocab_size
+        seq.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.tokenizer.stop_ids)
+        if p.logit_bias:
+            seq.bias = torch.zeros(vocab, device=self.device)
+            seq.bias[list(p.logit_bias)] = torch.tensor(list(p.logit_bias.values()), device=self.device)
+        if (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) != (0, 0, 1):
+            seq.counts = torch.zeros(vocab, device=self.device)
+            seq.seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+            seq.seen[seq.prompt_tokens] = True
 
     def release(self, seq: Sequence):
         """Forget a sequence (finished, or its request gone): its blocks go back to the pool."""
@@ -76,15 +90,19 @@ class Engine:
             return
         batch, rows = self.batch(work)
         logits = self.model.forward_batch(batch)
-        finished_prompts = []
+        to_sample = []
         for w, (first, last) in zip(work, rows):
             seq = w.seq
             if seq.needs_prompt_logprobs and seq.cached < len(seq.prompt_tokens):
                 self.add_prompt_logprobs(seq, logits[first:last])
             seq.cached += w.n
-            if seq.cached == len(seq.prompt_tokens) + len(seq.tokens):
-                finished_prompts.append((seq, last - 1))
-        self.advance([s for s, _ in finished_prompts], logits[[row for _, row in finished_prompts]])
+            if seq.cached < len(seq.prompt_tokens) + len(seq.tokens):
+                continue  # a chunk of its prompt: nothing to sample yet
+            if seq.params.max_gen_len == 0:
+                seq.finish_reason = "length"  # a prompt to score, nothing to generate
+            else:
+                to_sample.append((seq, last - 1))
+        self.advance([s for s, _ in to_sample], logits[[row for _, row in to_sample]])
         for w in work:
             seq = w.seq
             if seq.cached // self.pool.block_size > len(seq.table.hashes):
@@ -120,42 +138,57 @@ class Engine:
         return batch, rows
 
     def add_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor):
-        """Log-probabilities of the prompt tokens that these logits (one row per token
-        computed, from seq.cached on) predict; nothing predicts the first token."""
+        """Log-probabilities (and the most probable tokens) of the prompt tokens that these
+        logits (one row per token computed, from seq.cached on) predict; nothing predicts
+        the first token."""
         start = seq.cached
         targets = seq.prompt_tokens[start + 1:start + 1 + logits.shape[0]]
         if start == 0:
             seq.prompt_logprobs.append(0.0)
+            seq.prompt_top_logprobs.append([])
         if targets:
-            lp = F.log_softmax(logits[:len(targets)], dim=-1)
-            seq.prompt_logprobs += lp.gather(-1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+            chosen, top = token_logprobs(logits[:len(targets)], torch.tensor(targets, device=logits.device),
+                                         seq.params.top_logprobs)
+            seq.prompt_logprobs += chosen
+            seq.prompt_top_logprobs += top
 
     def advance(self, seqs: list[Sequence], logits: torch.Tensor):
         """Sample a token for each sequence (rank 0's choice for every rank) and append it."""
         if not seqs:
             return
-        next_tokens = torch.stack([sample_token(row, s) for row, s in zip(logits, seqs)])
+        next_tokens = sample(adjust_logits(logits, seqs), seqs)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(next_tokens, src=0)
-        want_logprobs = any(s.params.logprobs for s in seqs)
-        if want_logprobs:
-            chosen = F.log_softmax(logits, dim=-1).gather(-1, next_tokens[:, None])[:, 0].tolist()
+        asked = [s.params.top_logprobs for s in seqs if s.params.logprobs]
+        if asked:
+            chosen, top = token_logprobs(logits, next_tokens, max(asked))
         for i, (s, token) in enumerate(zip(seqs, next_tokens.tolist())):
-            self.append(s, token, chosen[i] if want_logprobs else None)
+            if s.params.logprobs:
+                self.append(s, token, chosen[i], top[i][:s.params.top_logprobs])
+            else:
+                self.append(s, token)
 
-    def append(self, seq: Sequence, token: int, logprob: float | None):
-        if token in self.tokenizer.stop_ids:
+    def append(self, seq: Sequence, token: int, logprob: float | None = None, top: list | None = None):
+        offset = len(seq.text)  # where its text starts (a character it ends is held back until then)
+        if token in seq.stop_ids:
+            seq.stop_token = token
             seq.add_text(seq.stream.flush())
             seq.finish_reason = "stop"
-            return
-        seq.tokens.append(token)
+            offset = len(seq.text)  # it adds no text
+        else:
+            seq.tokens.append(token)
+            if seq.counts is not None:
+                seq.counts[token] += 1
+                seq.seen[token] = True
+            seq.add_text(seq.stream.add(token))
+            if not seq.done and len(seq.tokens) >= seq.params.max_gen_len:
+                seq.add_text(seq.stream.flush())
+                if not seq.done:
+                    seq.finish_reason = "length"
         if logprob is not None:
             seq.logprobs.append(logprob)
-        seq.add_text(seq.stream.add(token))
-        if not seq.done and len(seq.tokens) >= seq.params.max_gen_len:
-            seq.add_text(seq.stream.flush())
-            if not seq.done:
-                seq.finish_reason = "length"
+            seq.top_logprobs.append(top)
+            seq.text_offsets.append(offset)
 
 
 def tokens_between(seq: Sequence, start: int, end: int) -> list[int]:

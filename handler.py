@@ -32,7 +32,9 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # url_path (what follows /predictions/<model>/<version>/) -> API
-ROUTES = {"": "native", "v1/completions": "completions", "v1/chat/completions": "chat", "v1/models": "models"}
+ROUTES = {"": "native", "v1/completions": "completions", "v1/chat/completions": "chat", "v1/models": "models",
+          "tokenizer_info": "tokenizer_info", "tokenize": "tokenize", "detokenize": "detokenize"}
+AT_ONCE = {"models", "tokenizer_info", "tokenize", "detokenize"}  # answered without decoding
 JSON = "application/json"
 
 
@@ -109,11 +111,10 @@ class LlamaHandler(BaseHandler):
                 continue
             path = self.context.get_request_header(idx, "url_path") or ""
             route = ROUTES.get(path)
-            fmt = openai_api if path.startswith("v1") else api
+            fmt = openai_api if path.startswith("v1") or route in AT_ONCE else api
             try:
-                if route == "models":
-                    immediate[idx] = json.dumps(openai_api.models(self.context.model_name, self.created)), 200, \
-                        JSON, "once"
+                if route in AT_ONCE:
+                    immediate[idx] = json.dumps(self.answer_at_once(route, data[idx])), 200, JSON, "once"
                     continue
                 self.jobs[req_id] = self.new_job(idx, req_id, route, data[idx])
             except RequestError as e:
@@ -189,16 +190,22 @@ class LlamaHandler(BaseHandler):
 
     # --- requests ---------------------------------------------------------------------
 
+    def answer_at_once(self, route: str, data: dict) -> dict:
+        if route == "models":
+            return openai_api.models(self.context.model_name, self.created)
+        if route == "tokenizer_info":
+            return openai_api.tokenizer_info(self.tokenizer, self.max_seq_len)
+        body = api.read_body(request_body(data), self.limits)
+        if route == "tokenize":
+            return openai_api.tokenize(body, self.tokenizer, self.max_seq_len, self.limits)
+        return openai_api.detokenize(body, self.tokenizer)
+
     def new_job(self, idx: int, req_id: str, route: str | None, data: dict) -> Job:
         if route is None:
             path = self.context.get_request_header(idx, "url_path")
-            raise RequestError(f"no route /{path}; the routes are /, /v1/completions, /v1/chat/completions "
-                               "and /v1/models", "url", status=404)
-        raw = data.get("body") if data.get("body") is not None else data.get("data")
-        if raw is None:
-            raise RequestError("no JSON body found: send one with Content-Type: application/json "
-                               "(curl: -H 'Content-Type: application/json')", "body", status=415)
-        body = api.read_body(raw, self.limits)
+            raise RequestError(f"no route /{path}; the routes are /, /v1/completions, /v1/chat/completions, "
+                               "/v1/models, /tokenizer_info, /tokenize and /detokenize", "url", status=404)
+        body = api.read_body(request_body(data), self.limits)
         if route == "native":
             request = api.parse_native(body, self.limits, self.defaults)
         else:
@@ -206,7 +213,7 @@ class LlamaHandler(BaseHandler):
         prompts = api.sequences(request, self.tokenizer, self.max_seq_len, self.limits, self.defaults)
         for tokens, params in prompts:  # all checks before any sequence is queued
             try:
-                self.engine.check(tokens, params.max_gen_len)
+                self.engine.check(tokens, params)
             except ValueError as e:
                 raise RequestError(str(e), "prompt") from None
         meta = {"id": f"{'chatcmpl' if request.chat else 'cmpl'}-{req_id}", "created": int(time.time()),
@@ -280,13 +287,22 @@ class LlamaHandler(BaseHandler):
             return
         metrics = self.context.metrics
         completion = max(len(s.tokens) for s in job.seqs)
-        metrics.add_counter("PromptTokens", sum(len(s.prompt_tokens) for s in job.seqs))
+        metrics.add_counter("PromptTokens", sum(len(s.prompt_tokens) for s in job.seqs[::job.request.n]))
         metrics.add_counter("CompletionTokens", sum(len(s.tokens) for s in job.seqs))
-        metrics.add_metric("TimeToFirstToken", (job.first_token - job.arrival) * 1000, "ms",
-                           metric_type=MetricTypes.HISTOGRAM)
+        # Seconds: TorchServe 0.12 gives histograms Prometheus' default buckets (5 ms to 10 s)
+        # and has no setting for others, so milliseconds would all land in +Inf.
+        metrics.add_metric("TimeToFirstToken", job.first_token - job.arrival, "s", metric_type=MetricTypes.HISTOGRAM)
         if completion > 1:
-            per_token = (time.perf_counter() - job.first_token) * 1000 / (completion - 1)
-            metrics.add_metric("TimePerOutputToken", per_token, "ms", metric_type=MetricTypes.HISTOGRAM)
+            per_token = (time.perf_counter() - job.first_token) / (completion - 1)
+            metrics.add_metric("TimePerOutputToken", per_token, "s", metric_type=MetricTypes.HISTOGRAM)
+
+
+def request_body(data: dict):
+    raw = data.get("body") if data.get("body") is not None else data.get("data")
+    if raw is None:
+        raise RequestError("no JSON body found: send one with Content-Type: application/json "
+                           "(curl: -H 'Content-Type: application/json')", "body", status=415)
+    return raw
 
 
 def stream_line(fmt, obj) -> str:

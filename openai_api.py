@@ -1,17 +1,20 @@
-"""OpenAI-compatible schema: /v1/completions, /v1/chat/completions and /v1/models, reached
-through TorchServe's url_path (POST /predictions/llama/1.0/v1/...). Requests become the
-same Request as the native API; answers, stream chunks (server-sent events) and errors take
-OpenAI's shapes."""
+"""OpenAI-compatible schema: /v1/completions, /v1/chat/completions and /v1/models, and
+vLLM's tokenizer routes (tokenizer_info, tokenize, detokenize), reached through
+TorchServe's url_path (/predictions/llama/1.0/...). Requests become the same Request as
+the native API; answers, stream chunks (server-sent events) and errors take OpenAI's (and
+vLLM's) shapes."""
 
 import json
 
 import api
-from api import Defaults, Limits, Request, RequestError
+import chat_format
+from api import MAX_TOP_LOGPROBS, Defaults, Limits, Request, RequestError
 from generate import Sequence
+from tokenizer import TextStream
 
 # Accepted only at their neutral value: anything else is refused rather than ignored.
-NEUTRAL = {"n": (None, 1), "best_of": (None, 1), "presence_penalty": (None, 0, 0.0),
-           "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "suffix": (None, ""),
+# best_of (generate several, answer the most probable) is not implemented: ask for n instead.
+NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""),
            "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
            "function_call": (None, "none"), "response_format": (None, {"type": "text"})}
 
@@ -29,19 +32,21 @@ def parse(route: str, body, model_name: str, limits: Limits, defaults: Defaults)
     if req.chat:
         req.inputs = [chat_messages(body, limits)]
         req.max_new_tokens = max_tokens(body, limits, "max_completion_tokens")
-        req.sampling = {"logprobs": api.get_bool(body, "logprobs"), "echo": False}
-        if api.get_int(body, "top_logprobs", 0, 20, 0):
-            raise RequestError("top_logprobs is not supported (only 0)", "top_logprobs")
+        logprobs = api.get_bool(body, "logprobs")
+        req.sampling = {"logprobs": logprobs, "top_logprobs": api.get_top_logprobs(body, logprobs, "logprobs: true"),
+                        "echo": False}
     else:
         if "prompt" not in body:
             raise RequestError("prompt is required", "prompt")
-        req.inputs, req.batched = api.get_prompts(body, "prompt", limits)
-        req.max_new_tokens = max_tokens(body, limits)
-        logprobs = api.get_int(body, "logprobs", 0, 5)
-        if logprobs:
-            raise RequestError("logprobs above 0 (top alternatives) are not supported; 0 returns the "
-                               "chosen tokens' log-probabilities", "logprobs")
-        req.sampling = {"logprobs": logprobs == 0, "echo": api.get_bool(body, "echo")}
+        req.inputs, req.batched = api.get_prompts(body, "prompt", limits, token_ids=True)
+        echo = api.get_bool(body, "echo")
+        req.max_new_tokens = max_tokens(body, limits, lo=0)
+        if req.max_new_tokens == 0 and not echo:
+            raise RequestError("max_tokens 0 generates nothing; it is for scoring the prompt, with echo: true",
+                               "max_tokens")
+        logprobs = api.get_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)  # how many alternatives
+        req.sampling = {"logprobs": logprobs is not None, "top_logprobs": logprobs or 0, "echo": echo}
+    req.n = api.get_n(body, len(req.inputs), limits)
     req.sampling |= api.sampling_fields(body, defaults, top_p="top_p")
     req.stream = api.get_bool(body, "stream")
     options = body.get("stream_options") or {}
@@ -53,9 +58,9 @@ def parse(route: str, body, model_name: str, limits: Limits, defaults: Defaults)
     return req
 
 
-def max_tokens(body: dict, limits: Limits, alias: str | None = None) -> int | None:
+def max_tokens(body: dict, limits: Limits, alias: str | None = None, lo: int = 1) -> int | None:
     name = alias if alias and body.get(alias) is not None else "max_tokens"
-    return api.get_int(body, name, 1, limits.max_new_tokens)
+    return api.get_int(body, name, lo, limits.max_new_tokens)
 
 
 def chat_messages(body: dict, limits: Limits) -> list:
@@ -79,8 +84,8 @@ def chat_messages(body: dict, limits: Limits) -> list:
 
 # --- answers ---------------------------------------------------------------------------
 
-def usage(seqs: list[Sequence]) -> dict:
-    prompt = sum(len(s.prompt_tokens) for s in seqs)
+def usage(req: Request, seqs: list[Sequence]) -> dict:
+    prompt = sum(len(s.prompt_tokens) for s in seqs[::req.n])  # each prompt once, whatever n
     completion = sum(len(s.tokens) for s in seqs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -90,42 +95,70 @@ def envelope(req: Request, meta: dict, chunk: bool = False) -> dict:
     return {"id": meta["id"], "object": kind, "created": meta["created"], "model": meta["model"]}
 
 
-def completion_logprobs(seq: Sequence, tokenizer) -> dict:
-    prompt = seq.prompt_tokens if seq.params.echo else []
-    tokens = prompt + seq.tokens
-    values = (seq.prompt_logprobs if seq.params.echo else []) + seq.logprobs
-    if prompt:
-        values = [None] + values[1:]  # nothing predicts the first token
-    pieces = [tokenizer.token_str(t) for t in tokens]
-    offsets, at = [], 0
-    for piece in pieces:
+def completion_logprobs(seq: Sequence, tokenizer, prompt: str) -> dict:
+    """OpenAI's legacy logprobs. With echo, the prompt's tokens first (the first has no
+    logprob); then every sampled token, the stop id that ended the sequence included (as vLLM
+    returns it: it has no text). top_logprobs: at each position the most probable tokens and
+    the chosen one; text_offset: where each token's text starts in the choice's text
+    (prompt: the echoed prompt, or "")."""
+    tokens, values, tops, offsets = [], [], [], []
+    if seq.params.echo:
+        tokens = list(seq.prompt_tokens)
+        values = [None] + seq.prompt_logprobs[1:]
+        tops = [None] + seq.prompt_top_logprobs[1:]
+        offsets = [min(at, len(prompt)) for at in text_offsets(tokenizer, seq.prompt_tokens)]
+    tokens += seq.sampled
+    values += seq.logprobs
+    tops += seq.top_logprobs
+    offsets += [len(prompt) + min(at, len(seq.text)) for at in seq.text_offsets]  # text may end at a stop string
+    top_logprobs = [None if top is None else top_dict(tokenizer, top + [(t, v)]) for top, t, v in zip(tops, tokens, values)]
+    return {"tokens": [tokenizer.token_str(t) for t in tokens], "token_logprobs": values,
+            "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def top_dict(tokenizer, pairs: list) -> dict:
+    """{token text: logprob} from (id, logprob) pairs, most probable first; of two tokens with
+    the same text the first one stays."""
+    out = {}
+    for token, value in pairs:
+        out.setdefault(tokenizer.token_str(token), value)
+    return out
+
+
+def text_offsets(tokenizer, tokens: list[int]) -> list[int]:
+    """Where each token's text starts in the text the tokens decode to."""
+    stream, at, offsets = TextStream(tokenizer, []), 0, []
+    for token in tokens:
         offsets.append(at)
-        at += len(piece)
-    return {"tokens": pieces, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+        at += len(stream.add(token))
+    return offsets
 
 
 def chat_logprobs(seq: Sequence, tokenizer) -> dict:
-    content = []
-    for token, value in zip(seq.tokens, seq.logprobs):
-        content.append({"token": tokenizer.token_str(token), "logprob": value,
-                        "bytes": list(tokenizer.token_bytes(token)), "top_logprobs": []})
-    return {"content": content}
+    """OpenAI's chat logprobs: the message's tokens, each with its top_logprobs alternatives."""
+    def entry(token: int, value: float) -> dict:
+        return {"token": tokenizer.token_str(token), "logprob": value, "bytes": list(tokenizer.token_bytes(token))}
+
+    n = len(seq.tokens)
+    return {"content": [entry(token, value) | {"top_logprobs": [entry(*alt) for alt in top]}
+                        for token, value, top in zip(seq.tokens, seq.logprobs[:n], seq.top_logprobs[:n])]}
 
 
 def answer(req: Request, seqs: list[Sequence], tokenizer, meta: dict) -> dict:
     choices = []
-    for i, (seq, item) in enumerate(zip(seqs, req.inputs)):
-        choice = {"index": i, "finish_reason": seq.finish_reason, "logprobs": None}
+    for k, seq in enumerate(seqs):  # choice k answers input k // n, as vLLM numbers them
+        choice = {"index": k, "finish_reason": seq.finish_reason, "logprobs": None}
         if req.chat:
             choice["message"] = {"role": "assistant", "content": seq.text}
             if seq.params.logprobs:
                 choice["logprobs"] = chat_logprobs(seq, tokenizer)
         else:
-            choice["text"] = (item if seq.params.echo else "") + seq.text
+            prompt = req.texts[k // req.n] if seq.params.echo else ""
+            choice["text"] = prompt + seq.text
             if seq.params.logprobs:
-                choice["logprobs"] = completion_logprobs(seq, tokenizer)
+                choice["logprobs"] = completion_logprobs(seq, tokenizer, prompt)
         choices.append(choice)
-    return envelope(req, meta) | {"choices": choices, "usage": usage(seqs)}
+    return envelope(req, meta) | {"choices": choices, "usage": usage(req, seqs)}
 
 
 def sse(obj) -> str:
@@ -138,7 +171,7 @@ def chunk(req: Request, meta: dict, index: int, text: str, first: bool, finish_r
         choice = {"index": index, "delta": delta}
     else:
         if first and req.sampling.get("echo"):
-            text = req.inputs[index] + text
+            text = req.texts[index // req.n] + text
         choice = {"index": index, "text": text}
     choice |= {"logprobs": None, "finish_reason": finish_reason}
     return sse(envelope(req, meta, chunk=True) | {"choices": [choice]})
@@ -151,7 +184,7 @@ def last_chunks(req: Request, seqs: list[Sequence], meta: dict, tokenizer) -> st
     """Each choice's finish_reason, the usage when asked for, and [DONE]."""
     out = "".join(chunk(req, meta, i, "", False, s.finish_reason) for i, s in enumerate(seqs))
     if req.include_usage:
-        out += sse(envelope(req, meta, chunk=True) | {"choices": [], "usage": usage(seqs)})
+        out += sse(envelope(req, meta, chunk=True) | {"choices": [], "usage": usage(req, seqs)})
     return out + "data: [DONE]\n\n"
 
 
@@ -163,3 +196,53 @@ def error(err: RequestError) -> dict:
 def models(model_name: str, created: int) -> dict:
     return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                         "owned_by": "torchserve"}]}
+
+
+# --- vLLM's tokenizer routes (lm-evaluation-harness's remote tokenizer reads them) ---------
+
+def tokenizer_info(tokenizer, max_seq_len: int) -> dict:
+    def text(token: int) -> str | None:
+        return tokenizer.token_str(token) if token >= 0 else None
+
+    info = {"tokenizer_class": type(tokenizer).__name__, "bos_token": text(tokenizer.bos_id),
+            "eos_token": text(tokenizer.eos_id), "pad_token": text(tokenizer.pad_id),
+            "model_max_length": max_seq_len}
+    if tokenizer.chat_template:
+        info["chat_template"] = tokenizer.chat_template
+    return info
+
+
+def tokenize(body, tokenizer, max_seq_len: int, limits: Limits) -> dict:
+    """The tokens the completion and chat routes make of a prompt or of messages.
+    add_special_tokens (prompt: true by default) adds the BOS token; with messages (false by
+    default) it adds one before what the chat format gives, as vLLM does."""
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {api.type_name(body)}", None)
+    given = [k for k in ("prompt", "messages") if k in body]
+    if len(given) != 1:
+        raise RequestError("give exactly one of prompt or messages", "prompt")
+    add_special = api.get_bool(body, "add_special_tokens", default=given[0] == "prompt")
+    if given[0] == "prompt":
+        if not isinstance(body["prompt"], str):
+            raise RequestError(f"prompt must be a string, got {api.type_name(body['prompt'])}", "prompt")
+        tokens = tokenizer.encode(api.check_text(body["prompt"], "prompt", "prompt"), bos=add_special, eos=False)
+    else:
+        dialog = api.check_text(chat_messages(body, limits), "messages", "messages")
+        try:
+            bos = [tokenizer.bos_id] if add_special and tokenizer.bos_id >= 0 else []
+            tokens = bos + chat_format.encode_dialog(tokenizer, dialog)
+        except ValueError as e:  # a rule of the chat format
+            raise RequestError(str(e).replace("dialog", "messages"), "messages") from None
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": max_seq_len}
+
+
+def detokenize(body, tokenizer) -> dict:
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {api.type_name(body)}", None)
+    if "tokens" not in body:
+        raise RequestError("tokens is required", "tokens")
+    tokens = body["tokens"]
+    if not api.is_id_list(tokens):
+        raise RequestError("tokens must be a list of token ids (integers)", "tokens")
+    api.check_token_ids(tokens, tokenizer.n_words, "tokens")
+    return {"prompt": tokenizer.decode(tokens)}

@@ -73,17 +73,42 @@ seeds = mostly(st.integers(0, (1 << 63) - 1), st.one_of(st.integers(max_value=-1
 flags = mostly(st.booleans())
 stops = mostly(st.one_of(st.text(min_size=1, max_size=5), st.lists(st.text(min_size=1, max_size=5), max_size=3)),
                st.one_of(st.just(""), st.lists(text, max_size=20), json_values))
+def often(valid, invalid):
+    """valid values about four times in five: for the many optional sampling fields, so that
+    bodies with several of them still pass now and then."""
+    return st.one_of(valid, valid, valid, valid, invalid)
+
+
+# token ids: mostly in the demo vocabulary (4096), sometimes past it or negative
+token_ids = st.one_of(st.integers(0, 4095), st.integers(0, 4095), st.integers(-3, 1 << 40))
+id_lists = often(st.lists(token_ids, max_size=6), st.one_of(st.lists(st.one_of(token_ids, json_values), max_size=4),
+                                                            st.lists(token_ids, min_size=65, max_size=70)))
+penalties = often(st.floats(-2, 2), st.one_of(st.floats(2.0001, 1e9), st.floats(-1e9, -2.0001), numbers, json_values))
+repetition = often(st.floats(1e-6, 2), st.one_of(st.just(0), st.floats(-5, 0), st.floats(2.0001, 100), numbers))
+logit_bias = often(st.dictionaries(st.integers(0, 4095).map(str), st.floats(-100, 100), max_size=4),
+                   st.one_of(st.dictionaries(st.one_of(text, st.integers(-5, 1 << 40).map(str)),
+                                             st.one_of(numbers, json_values), max_size=3), json_values))
+# valid values of the fields below are mostly small: the more fields a body has, the fewer
+# bodies pass every check, and each property needs accepted requests too
+choices = often(st.integers(1, 2), st.one_of(st.integers(-1, 0), st.integers(3, 100), numbers, json_values))
+min_tokens = often(st.integers(0, 4), st.one_of(st.integers(max_value=-1), st.integers(5, 1 << 20), numbers))
+top_logprobs = often(st.one_of(st.just(0), st.integers(0, 20)),
+                     st.one_of(st.integers(-2, -1), st.integers(21, 100), numbers, json_values))
 
 COMMON = {"temperature": temperatures, "top_p": top_ps, "top_k": top_ks, "seed": seeds, "stop": stops,
-          "stream": flags}
+          "stream": flags, "n": choices, "presence_penalty": penalties, "frequency_penalty": penalties,
+          "repetition_penalty": repetition, "logit_bias": logit_bias, "min_tokens": min_tokens,
+          "stop_token_ids": id_lists, "ignore_eos": flags, "top_logprobs": top_logprobs}
 NATIVE = COMMON | {"prompt": prompts, "dialog": dialogs, "messages": dialogs, "max_new_tokens": counts,
                    "logprobs": flags, "echo": flags}
-OPENAI = COMMON | {"model": mostly(st.just("llama"), st.one_of(text, json_values)), "max_tokens": counts,
-                   "max_completion_tokens": counts,
-                   "logprobs": mostly(st.just(0), st.one_of(st.integers(-1, 6), flags)),
-                   "top_logprobs": mostly(st.just(0), counts), "echo": flags,
+OPENAI = COMMON | {"model": mostly(st.just("llama"), st.one_of(text, json_values)),
+                   "max_tokens": st.one_of(counts, st.just(0)), "max_completion_tokens": counts,
+                   "logprobs": mostly(st.one_of(st.integers(0, 20), flags), st.integers(-1, 25)), "echo": flags,
+                   "user": st.one_of(text, json_values),
                    "stream_options": mostly(st.fixed_dictionaries({"include_usage": flags}))} \
     | {name: mostly(st.sampled_from(allowed)) for name, allowed in openai_api.NEUTRAL.items()}
+# OpenAI's completions also take token ids: a list of them, or a list of such lists
+completion_prompts = st.one_of(prompts, id_lists, st.lists(id_lists, min_size=1, max_size=5))
 
 
 def request_bodies(fields: dict, required: list[str]):
@@ -103,7 +128,7 @@ def request_bodies(fields: dict, required: list[str]):
 
 
 native_bodies = request_bodies(NATIVE, ["prompt", "dialog", "messages"])
-completion_bodies = request_bodies(OPENAI | {"prompt": prompts}, ["prompt"])
+completion_bodies = request_bodies(OPENAI | {"prompt": completion_prompts}, ["prompt"])
 chat_bodies = request_bodies(OPENAI | {"messages": dialogs}, ["messages"])
 
 
@@ -132,19 +157,32 @@ def refused(e: RequestError):
 
 def accepted(req: api.Request, prepared, tokenizer, limits: Limits, max_seq_len: int):
     """What a request that passed must satisfy: what the engine accepts without a check failing."""
-    assert 1 <= len(req.inputs) == len(prepared) <= limits.max_prompts
+    assert 1 <= len(req.inputs) * req.n == len(prepared) <= limits.max_prompts
     assert req.batched or len(req.inputs) == 1
+    assert req.api != "native" or req.batched or len(prepared) == 1  # native: n > 1 answers with a list
     assert isinstance(req.stream, bool) and isinstance(req.include_usage, bool)
     prompt_limit = min(limits.max_prompt_tokens or max_seq_len - 1, max_seq_len - 1)
-    for item, (tokens, params) in zip(req.inputs, prepared):
+    for k, (tokens, params) in enumerate(prepared):
+        item = req.inputs[k // req.n]
         if req.chat:
             assert chat_format.validate_llama2(item) and len(item) <= limits.max_messages
             assert tokens == chat_format.encode_dialog(tokenizer, item)
+        elif isinstance(item, list):
+            assert tokens == item and all(0 <= t < tokenizer.n_words for t in tokens)
         else:
             assert tokens == tokenizer.encode(item, bos=True, eos=False)
         assert 1 <= len(tokens) <= prompt_limit
-        assert 1 <= params.max_gen_len <= limits.max_new_tokens
+        assert (0 if params.echo else 1) <= params.max_gen_len <= limits.max_new_tokens
         assert len(tokens) + params.max_gen_len <= max_seq_len
+        assert 0 <= params.min_tokens <= params.max_gen_len
+        assert type(params.presence_penalty) is float and -2 <= params.presence_penalty <= 2
+        assert type(params.frequency_penalty) is float and -2 <= params.frequency_penalty <= 2
+        assert type(params.repetition_penalty) is float and 0 < params.repetition_penalty <= 2
+        assert all(0 <= t < tokenizer.n_words and type(b) is float and -100 <= b <= 100
+                   for t, b in params.logit_bias.items())
+        assert all(0 <= t < tokenizer.n_words for t in params.stop_token_ids)
+        assert type(params.ignore_eos) is bool
+        assert 0 <= params.top_logprobs <= 20 and (params.logprobs or not params.top_logprobs)
         assert type(params.temperature) is float and (params.temperature == 0
                                                        or api.MIN_TEMPERATURE <= params.temperature <= 2)
         assert type(params.top_p) is float and 0 < params.top_p <= 1
@@ -227,6 +265,31 @@ def test_openai_requests(tokenizer, route, data, context):
     run(route, body, tokenizer, *context)
 
 
+tokenize_bodies = request_bodies({"prompt": prompts, "messages": dialogs, "add_special_tokens": flags},
+                                 ["prompt", "messages"])
+detokenize_bodies = request_bodies({"tokens": id_lists}, ["tokens"])
+
+
+@FUZZ
+@given(body=st.one_of(tokenize_bodies, detokenize_bodies), context=st.sampled_from(CONTEXTS))
+@example(body={"tokens": [4096]}, context=CONTEXTS[0])
+@example(body={"prompt": "a", "messages": []}, context=CONTEXTS[0])
+def test_tokenizer_routes(tokenizer, body, context):
+    """vLLM's tokenize and detokenize: an answer of the right shape, or a 4xx."""
+    limits, max_seq_len = context
+    try:
+        out = openai_api.tokenize(body, tokenizer, max_seq_len, limits)
+        assert out["count"] == len(out["tokens"]) and out["max_model_len"] == max_seq_len
+        assert all(0 <= t < tokenizer.n_words for t in out["tokens"])
+    except RequestError as e:
+        refused(e)
+    try:
+        out = openai_api.detokenize(body, tokenizer)
+        assert out == {"prompt": tokenizer.decode(body["tokens"])}
+    except RequestError as e:
+        refused(e)
+
+
 @FUZZ
 @given(route=st.sampled_from(["native", "completions", "chat"]), data=st.data(), context=st.sampled_from(CONTEXTS))
 def test_bytes_to_prompts(tokenizer, route, data, context):
@@ -297,15 +360,15 @@ def test_failed_prefill_frees_its_blocks(demo_llama, monkeypatch):
         return j
 
     calls = {"n": 0}
-    real_sample = engine_module.sample_token
+    real_sample = engine_module.sample
 
-    def failing_sample(logits, seq):
+    def failing_sample(logits, seqs):
         calls["n"] += 1
-        if calls["n"] == 2:  # the second prompt of the request fails
+        if calls["n"] == 1:  # the step that prefills the three prompts fails
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-        return real_sample(logits, seq)
+        return real_sample(logits, seqs)
 
-    monkeypatch.setattr(engine_module, "sample_token", failing_sample)
+    monkeypatch.setattr(engine_module, "sample", failing_sample)
     h.jobs["bad"] = job({"prompt": ["one", "two", "three"], "temperature": 0.5, "max_new_tokens": 4})
     h.inference({})
     assert h.jobs["bad"].error is not None and h.jobs["bad"].error.status == 500

@@ -567,7 +567,7 @@ class ScriptedModel:
         self.script, self.vocab, self.fill = script, vocab, fill
         self.params = SimpleNamespace(max_batch_size=2, max_seq_len=128)
         self.tok_embeddings = SimpleNamespace(weight=torch.zeros(1))
-        self.num_blocks, self.block_size = 16, 16
+        self.num_blocks, self.block_size, self.vocab_size = 16, 16, vocab
 
     def forward_batch(self, batch):
         rows = range(len(batch.tokens)) if batch.logits_at is None else batch.logits_at

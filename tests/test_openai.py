@@ -88,10 +88,12 @@ def test_models(client):
 @pytest.mark.parametrize("kwargs,param,words", [
     ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages", "messages[0].role"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, "messages", "alternate"),
-    ({"messages": MESSAGES, "n": 3}, "n", "n=3 is not supported"),
+    ({"messages": MESSAGES, "n": 9}, "n", "n must be between 1 and 4"),
     ({"messages": MESSAGES, "max_tokens": -5}, "max_tokens", "max_tokens must be between"),
     ({"messages": MESSAGES, "temperature": 5}, "temperature", "temperature must be in"),
-    ({"messages": MESSAGES, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"messages": MESSAGES, "presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in"),
+    ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
+    ({"messages": MESSAGES, "logit_bias": {"99999": 1}}, "logit_bias", "vocabulary has ids 0 to 4095"),
 ])
 def test_chat_bad_requests(client, kwargs, param, words):
     with pytest.raises(openai.BadRequestError) as e:
@@ -101,10 +103,12 @@ def test_chat_bad_requests(client, kwargs, param, words):
 
 
 def test_completion_bad_requests(client):
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        client.completions.create(model="llama", prompt=PROMPT, logprobs=3)
-    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+    with pytest.raises(openai.BadRequestError, match="logprobs must be between 0 and 20"):
+        client.completions.create(model="llama", prompt=PROMPT, logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="max_tokens 0 generates nothing"):
         client.completions.create(model="llama", prompt=PROMPT, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="best_of=3 is not supported"):
+        client.completions.create(model="llama", prompt=PROMPT, best_of=3)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-4", prompt=PROMPT)
 

@@ -104,7 +104,7 @@ BAD_DIALOGS = [[], {}, "hi", [{"role": "user"}], [{"role": "robot", "content": "
                [{"role": "\U0001F464", "content": "x"}],
                [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}],
                [{"role": "user" if i % 2 == 0 else "assistant", "content": "x"} for i in range(65)]]
-NEUTRAL_BREAKERS = {"n": 2, "best_of": 3, "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"5": 1},
+BAD_OPENAI_FIELDS = {"n": 0, "best_of": 3, "presence_penalty": 2.5, "frequency_penalty": -3, "logit_bias": {"5": 101},
                     "suffix": "end", "tools": [{"type": "function"}], "response_format": {"type": "json_object"}}
 
 
@@ -133,11 +133,11 @@ def mutation(route: str, rng: random.Random) -> tuple[str, bytes, str | tuple]:
         return f"{op}:{field}", json.dumps(body).encode(), ("prompt", "messages")
     if op == "extra":
         if route == "native":
-            name = rng.choice(["max_tokens", "n", "model", "dialogue", "Prompt", "\u00fcber"])
+            name = rng.choice(["max_tokens", "best_of", "model", "dialogue", "Prompt", "\u00fcber"])
             body[name] = 1
             return f"{op}:{name}", json.dumps(body).encode(), name
-        name = rng.choice(sorted(NEUTRAL_BREAKERS))
-        body[name] = NEUTRAL_BREAKERS[name]
+        name = rng.choice(sorted(BAD_OPENAI_FIELDS))
+        body[name] = BAD_OPENAI_FIELDS[name]
         return f"{op}:{name}", json.dumps(body).encode(), name
     raw = json.dumps(body).encode()
     if op == "truncate":
@@ -222,8 +222,8 @@ def hand_written() -> list[tuple]:
          "does not exist"),
         ("model as a list", CHAT, b'{"model": ["llama"], "messages": []}', "application/json", 404, "model",
          "does not exist"),
-        ("top logprobs", COMPLETIONS, b'{"prompt": "a", "logprobs": 3}', "application/json", 400, "logprobs",
-         "not supported"),
+        ("too many top logprobs", COMPLETIONS, b'{"prompt": "a", "logprobs": 21}', "application/json", 400,
+         "logprobs", "between 0 and 20"),
         ("stream with logprobs", CHAT, b'{"messages": [{"role": "user", "content": "a"}], "logprobs": true, '
          b'"stream": true}', "application/json", 400, "logprobs", "not supported with stream"),
         ("image part", CHAT, json.dumps({"messages": [{"role": "user", "content": [
@@ -551,7 +551,8 @@ def test_limit_max_new_tokens(limited):
     # the default (64 in model-config.yaml) is cut to the cap
     assert limited.generate({"prompt": "Once upon a time", "temperature": 0}) == answer
     refused(limited, {"prompt": "a", "max_new_tokens": cap + 1}, NATIVE, 400, "max_new_tokens", [f"1 and {cap}"])
-    refused(limited, {"prompt": "a", "max_tokens": cap + 1}, COMPLETIONS, 400, "max_tokens", [f"1 and {cap}"])
+    # 0 scores a prompt (with echo) on the completions route
+    refused(limited, {"prompt": "a", "max_tokens": cap + 1}, COMPLETIONS, 400, "max_tokens", [f"0 and {cap}"])
     refused(limited, {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": cap + 1}, CHAT, 400,
             "max_completion_tokens", [f"1 and {cap}"])
 
@@ -571,6 +572,10 @@ def test_limit_prompts_per_request(limited):
     assert len(limited.generate({"prompt": ["a"] * n, "max_new_tokens": 2})) == n
     refused(limited, {"prompt": ["a"] * (n + 1)}, NATIVE, 400, "prompt", [f"{n + 1} prompts", f"limit is {n}"])
     refused(limited, {"prompt": ["a"] * (n + 1)}, COMPLETIONS, 400, "prompt", [f"limit is {n}"])
+    # n answers per prompt take n slots
+    assert len(limited.generate({"prompt": "a", "n": n, "max_new_tokens": 2})) == n
+    refused(limited, {"prompt": "a", "n": n + 1}, COMPLETIONS, 400, "n", [f"between 1 and {n}"])
+    refused(limited, {"prompt": ["a", "b"], "n": 2}, NATIVE, 400, "n", ["4 sequences", f"limit is {n}"])
 
 
 def test_limit_messages_per_dialog(limited):

@@ -1,0 +1,218 @@
+"""The sampling math of generate.py in one process: penalties, logit_bias, min_tokens,
+stop_token_ids, ignore_eos, top-k and top logprobs against their formulas (OpenAI's and
+vLLM's definitions) on known logits, and inside the Engine against the demo model's own
+logits; the seed API with a Llama."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import generate as G
+from engine import Engine
+from test_generate import ScriptedModel
+
+
+def reference_penalties(logits, prompt, generated, presence, frequency, repetition):
+    """The definitions, one token at a time: vLLM's repetition penalty on every token of the
+    prompt or the generation (positive logits divided, negative ones multiplied), then
+    OpenAI's mu[j] - c[j] * frequency - (c[j] > 0) * presence over the generated tokens."""
+    out = logits.clone()
+    for j in range(logits.numel()):
+        x = float(logits[j])
+        if j in prompt or j in generated:
+            x = x / repetition if x > 0 else x * repetition
+        c = generated.count(j)
+        out[j] = x - c * frequency - (1.0 if c > 0 else 0.0) * presence
+    return out
+
+
+def penalize(logits, prompts, generated, settings):
+    """apply_penalties on rows built from token lists, as the Engine keeps them."""
+    vocab = logits.shape[-1]
+    counts = torch.stack([torch.bincount(torch.tensor(g, dtype=torch.long), minlength=vocab).float()
+                          for g in generated])
+    seen = torch.zeros(len(prompts), vocab, dtype=torch.bool)
+    for row, (p, g) in enumerate(zip(prompts, generated)):
+        seen[row, p + g] = True
+    presence, frequency, repetition = torch.tensor(settings).T
+    return G.apply_penalties(logits, counts, seen, presence, frequency, repetition)
+
+
+def test_penalties_worked_example():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    # prompt [0], generated [3, 3, 1]; presence 1, frequency 0.5, repetition 2
+    got = penalize(logits, [[0]], [[3, 3, 1]], [(1.0, 0.5, 2.0)])
+    # 0: 2/2; 1: -1*2 - 0.5 - 1; 2: untouched; 3: 3/2 - 2*0.5 - 1; 4: untouched
+    assert got.tolist() == [[1.0, -3.5, 0.5, -0.5, -2.0]]
+
+
+def test_penalties_equal_the_definitions_row_by_row():
+    torch.manual_seed(0)
+    vocab = 40
+    logits = torch.randn(4, vocab) * 3
+    prompts = [[1, 2, 3], [5, 5, 9], [0], [7, 8]]
+    generated = [[3, 4, 4, 10], [], [0, 0, 0, 39, 12], [8, 20]]
+    settings = [(0.7, 0.3, 1.3), (0.0, 0.0, 1.0), (-0.5, 1.5, 0.8), (2.0, -2.0, 1.0)]
+    got = penalize(logits, prompts, generated, settings)
+    for row in range(4):
+        want = reference_penalties(logits[row], prompts[row], generated[row], *settings[row])
+        torch.testing.assert_close(got[row], want, atol=1e-6, rtol=0)
+    assert torch.equal(got[1], logits[1])  # neutral settings change nothing
+
+
+def test_mask_and_top_k():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 3.0, -1.0], [0.0, 1.0, 2.0, 3.0, 4.0]])
+    banned = torch.tensor([[False, True, False, False, False], [False, False, False, False, True]])
+    masked = G.mask_tokens(logits, banned)
+    assert masked[0, 1] == masked[1, 4] == float("-inf")
+    assert torch.equal(masked[~banned], logits[~banned])
+    kept = G.top_k_filter(logits, torch.tensor([3, 0]))
+    assert kept[0].tolist() == [float("-inf"), 5.0, 3.0, 3.0, float("-inf")]  # ties at the k-th stay
+    assert torch.equal(kept[1], logits[1])  # 0: no cut
+
+
+# --- inside the Engine ------------------------------------------------------------------
+
+def seq_logits(model, tokens: list[int], slot: int) -> torch.Tensor:
+    """The model's raw next-token logits after each prefix of tokens (a fresh prefill)."""
+    return model(torch.tensor([tokens]), 0, slot=slot)[0].float()
+
+
+def test_engine_applies_bias_and_penalties_to_the_raw_logits(demo_llama):
+    """Greedy decoding with logit_bias and all three penalties: every token is the argmax of
+    the formula applied to the model's raw logits for that prefix, and every logprob and top
+    logprob is log_softmax of the raw logits (penalties do not change them)."""
+    model, tok = demo_llama.model, demo_llama.tokenizer
+    prompt = tok.encode("The secret of a happy life is", bos=True, eos=False)
+    raw = seq_logits(model, prompt, slot=3)[-1]
+    favoured, disfavoured = raw.topk(5).indices[4].item(), raw.argmax().item()
+    bias = {favoured: 1.5, disfavoured: -3.0}
+    params = G.SamplingParams(max_gen_len=12, temperature=0, presence_penalty=0.4, frequency_penalty=0.6,
+                              repetition_penalty=1.3, logit_bias=bias, logprobs=True, top_logprobs=3)
+    eng = Engine(model, tok)
+    seq = eng.add(prompt, params)
+    while not seq.done:
+        eng.step()
+    eng.release(seq)
+    assert len(seq.tokens) == 12
+    all_logits = seq_logits(model, prompt + seq.tokens, slot=3)[len(prompt) - 1:-1]
+    for i, token in enumerate(seq.tokens):
+        logits = all_logits[i].clone()
+        for t, b in bias.items():
+            logits[t] += b
+        want = reference_penalties(logits, prompt, seq.tokens[:i], 0.4, 0.6, 1.3)
+        assert token == want.argmax().item(), i
+        logprobs = F.log_softmax(all_logits[i], dim=-1)
+        assert seq.logprobs[i] == pytest.approx(logprobs[token].item(), abs=1e-4)
+        values, ids = logprobs.topk(3)
+        assert [t for t, _ in seq.top_logprobs[i]] == ids.tolist()
+        assert [v for _, v in seq.top_logprobs[i]] == pytest.approx(values.tolist(), abs=1e-4)
+    assert seq.tokens != G.generate(demo_llama, [prompt], 12, temperature=0)[0][0]  # the settings mattered
+    assert torch.equal(seq.counts, torch.bincount(torch.tensor(seq.tokens), minlength=seq.counts.numel()).float())
+
+
+def test_engine_logit_bias_alone_is_added(demo_llama):
+    """A large bias makes a token the greedy choice at every step; the logprobs stay the
+    model's own (the raw logits')."""
+    model, tok = demo_llama.model, demo_llama.tokenizer
+    prompt = tok.encode("Once upon a time", bos=True, eos=False)
+    target = tok.encode("zebra", bos=False, eos=False)[0]
+    eng = Engine(model, tok)
+    seq = eng.add(prompt, G.SamplingParams(max_gen_len=3, temperature=0, logit_bias={target: 100.0}, logprobs=True))
+    while not seq.done:
+        eng.step()
+    eng.release(seq)
+    assert seq.tokens == [target] * 3
+    raw = F.log_softmax(seq_logits(model, prompt + seq.tokens, slot=3)[len(prompt) - 1:-1], dim=-1)
+    assert seq.logprobs == pytest.approx(raw[:, target].tolist(), abs=1e-4)
+    assert max(seq.logprobs) < -1  # not the model's own favourite
+
+
+def scripted(script: dict, fill: int, tok):
+    return Engine(ScriptedModel(script, tok.n_words, fill), tok)
+
+
+def run(eng, prompt, **params):
+    seq = eng.add(prompt, G.SamplingParams(temperature=0, **({"max_gen_len": 8} | params)))
+    while not seq.done:
+        eng.step()
+    eng.release(seq)
+    return seq
+
+
+def test_min_tokens_stop_token_ids_ignore_eos(demo_llama):
+    tok = demo_llama.tokenizer
+    prompt = [tok.bos_id]
+    eos_everywhere = scripted({}, tok.eos_id, tok)  # every position predicts EOS
+    assert run(eos_everywhere, prompt).tokens == []
+    held = run(eos_everywhere, prompt, min_tokens=3, logprobs=True)
+    # EOS masked for three tokens: the next best (all other logits are 0: the lowest id) instead
+    assert held.tokens == [0, 0, 0] and held.finish_reason == "stop" and held.stop_token == tok.eos_id
+    assert held.sampled == [0, 0, 0, tok.eos_id] and len(held.logprobs) == 4
+    ignored = run(eos_everywhere, prompt, ignore_eos=True)
+    assert ignored.tokens == [tok.eos_id] * 8 and ignored.finish_reason == "length"
+
+    words = tok.encode("one two three four five six", bos=False, eos=False)
+    script = {i: t for i, t in enumerate(words)}
+    eng = scripted(script, tok.eos_id, tok)
+    stopped = run(eng, prompt, stop_token_ids=(words[3],))
+    assert stopped.tokens == words[:3] and stopped.stop_token == words[3] and stopped.finish_reason == "stop"
+    assert stopped.text == tok.decode(words[:3])
+    # min_tokens holds back stop ids and stop strings alike (vLLM checks neither before it)
+    late = run(eng, prompt, stop_token_ids=(words[3],), min_tokens=5)
+    assert late.tokens[:3] == words[:3] and words[3] not in late.tokens and len(late.tokens) >= 5
+    assert run(eng, prompt, stop=("two",)).text == "one "
+    assert run(eng, prompt, stop=("two",), min_tokens=4).text == tok.decode(words)
+
+
+def test_text_offsets_point_into_the_text(demo_llama):
+    tok = demo_llama.tokenizer
+    words = tok.encode("héllo wörld 日本 ok", bos=False, eos=False)
+    eng = scripted({i: t for i, t in enumerate(words)}, tok.eos_id, tok)
+    seq = run(eng, [tok.bos_id], max_gen_len=len(words) + 2, logprobs=True)
+    assert seq.tokens == words and len(seq.text_offsets) == len(words) + 1
+    assert seq.text_offsets == sorted(seq.text_offsets) and seq.text_offsets[-1] == len(seq.text)
+    for i, (token, at) in enumerate(zip(words, seq.text_offsets)):
+        piece = tok.token_str(token)
+        if "\ufffd" not in piece:  # a whole character (or more): its text is there
+            assert seq.text[at:].startswith(piece.lstrip() if i == 0 else piece), (i, piece, seq.text[at:])
+
+
+def test_max_gen_len_zero_scores_the_prompt(demo_llama):
+    model, tok = demo_llama.model, demo_llama.tokenizer
+    prompt = tok.encode("Once upon a time", bos=True, eos=False)
+    eng = Engine(model, tok)
+    seq = eng.add(prompt, G.SamplingParams(max_gen_len=0, echo=True, logprobs=True, top_logprobs=2))
+    eng.step()  # the prefill
+    assert seq.done and seq.tokens == [] and seq.finish_reason == "length"
+    logprobs = F.log_softmax(seq_logits(model, prompt, slot=3)[:-1], dim=-1)
+    assert seq.prompt_logprobs[1:] == pytest.approx(logprobs.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+                                                    .tolist(), abs=1e-4)
+    assert [[t for t, _ in top] for top in seq.prompt_top_logprobs[1:]] == logprobs.topk(2).indices.tolist()
+    with pytest.raises(ValueError, match="0 only with echo"):
+        eng.add(prompt, G.SamplingParams(max_gen_len=0))
+
+
+def test_sample_rows_are_independent(demo_llama):
+    """A seeded row draws the same token alone or next to other rows; greedy rows take the
+    argmax."""
+    torch.manual_seed(1)
+    logits = torch.randn(3, 50)
+    seqs = [G.Sequence([1], G.SamplingParams(1, temperature=1.0, top_p=0.9, top_k=20, seed=s), 0,
+                       torch.Generator().manual_seed(s)) for s in (5, 6)]
+    greedy = G.Sequence([1], G.SamplingParams(1, temperature=0), 0, None)
+    together = G.sample(logits, [seqs[0], greedy, seqs[1]])
+    for s in seqs:
+        s.generator.manual_seed(s.params.seed)
+    alone = [G.sample(logits[i:i + 1], [s])[0] for i, s in ((0, seqs[0]), (2, seqs[1]))]
+    assert together[1] == logits[1].argmax()
+    assert [together[0], together[2]] == alone
+
+
+def test_seed_api_takes_a_llama(demo_llama):
+    prompts = [demo_llama.tokenizer.encode("Hello there", bos=True, eos=False)]
+    with_llama = G.generate(demo_llama, prompts, 6, temperature=0, logprobs=True)
+    bare = G.generate(demo_llama.model, prompts, 6, temperature=0, logprobs=True, tokenizer=demo_llama.tokenizer)
+    assert with_llama == bare and len(with_llama[0][0]) > 0
+    with pytest.raises(TypeError, match="tokenizer="):
+        G.generate(demo_llama.model, prompts, 6)
