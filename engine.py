@@ -82,12 +82,21 @@ class Engine:
         if seq in self.scheduler.running or seq in self.scheduler.waiting:
             self.scheduler.remove(seq)
 
-    def step(self):
+    def run(self, max_steps: int) -> int:
+        """Up to max_steps steps, fewer when a step gives a sequence its first token or ends
+        one (whoever waits for it hears at once) or leaves nothing to run. The same on
+        every rank: the decision depends on the sequences only. Returns the steps taken."""
+        for n in range(1, max_steps + 1):
+            if self.step() or not self.running:
+                return n
+        return max_steps
+
+    def step(self) -> bool:
         """One forward pass over this step's work, and a token for each sequence whose
-        prompt or last token it finished."""
+        prompt or last token it finished. True if a sequence got its first token or ended."""
         work = self.scheduler.schedule()
         if not work:
-            return
+            return False
         batch, rows = self.batch(work)
         logits = self.model.forward_batch(batch)
         to_sample = []
@@ -103,12 +112,15 @@ class Engine:
             else:
                 to_sample.append((seq, last - 1))
         self.advance([s for s, _ in to_sample], logits[[row for _, row in to_sample]])
+        news = False
         for w in work:
             seq = w.seq
             if seq.cached // self.pool.block_size > len(seq.table.hashes):
                 seq.table.commit(seq.prompt_tokens + seq.tokens, seq.cached)
+            news |= seq.done or len(seq.sampled) == 1
             if seq.done:
                 self.scheduler.remove(seq)
+        return news
 
     def batch(self, work: list[Work]) -> tuple[Batch, list[tuple[int, int]]]:
         """The forward pass's Batch, and for each work the rows [first, last) of its logits:

@@ -54,6 +54,7 @@ class LlamaHandler(BaseHandler):
         compile_decode = settings.pop("compile", False)
         kv_cache_bytes = int(settings.pop("kv_cache_bytes", 0))
         max_batched_tokens = int(settings.pop("max_batched_tokens", 512))
+        steps_per_iteration = int(settings.pop("steps_per_iteration", 4))
         prefix_caching = settings.pop("prefix_caching", True)
         self.limits = api.dataclass_from(Limits, settings.pop("limits", None), "handler.limits")
         self.defaults = api.dataclass_from(Defaults, settings.pop("defaults", None), "handler.defaults")
@@ -83,7 +84,8 @@ class LlamaHandler(BaseHandler):
                     "%s tokens per step", model.num_blocks, model.block_size,
                     model.num_blocks * model.kv_block_bytes() / 1e6, "on" if prefix_caching else "off",
                     max_batched_tokens or "unlimited")
-        self.use_engine(Engine(model, llama.tokenizer, slots, max_batched_tokens, prefix_caching))
+        self.use_engine(Engine(model, llama.tokenizer, slots, max_batched_tokens, prefix_caching),
+                        steps_per_iteration)
         self.limits.max_prompts = min(self.limits.max_prompts, slots)
         self.rank0 = int(os.environ.get("RANK", "0")) == 0
         self.created = int(time.time())
@@ -92,9 +94,10 @@ class LlamaHandler(BaseHandler):
         os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
         self.initialized = True
 
-    def use_engine(self, engine: Engine):
+    def use_engine(self, engine: Engine, steps_per_iteration: int = 1):
         """Serve with engine, nothing in flight yet."""
         self.engine, self.tokenizer = engine, engine.tokenizer
+        self.steps_per_iteration = steps_per_iteration
         self.jobs: dict[str, Job] = {}  # by TorchServe request id
 
     # --- one iteration: preprocess -> inference -> postprocess (BaseHandler.handle) -------
@@ -125,10 +128,11 @@ class LlamaHandler(BaseHandler):
         return immediate
 
     def inference(self, immediate):
-        """One engine step: a token for every running sequence, and prompts (or chunks of
-        them) of the sequences the scheduler admits."""
+        """Engine steps (each one a token for every running sequence, and prompts or chunks
+        of them for the sequences admitted), up to steps_per_iteration: fewer round trips
+        through TorchServe per token, while a first token or an answer goes out after its step."""
         try:
-            self.engine.step()
+            self.engine.run(self.steps_per_iteration)
         except Exception as e:
             logger.exception("engine step failed")
             self.exit_if_a_rank_is_gone()
