@@ -39,8 +39,10 @@ JSON = "application/json"
 # tokenizer defaults to <checkpoint>/tokenizer.model; limits and defaults to api's dataclasses.
 SETTINGS = {"checkpoint": "weights", "max_seq_len": 512, "dtype": "auto", "compile": False}
 # Tests only: with LLAMA_TEST_FAULTS=1 in the workers' environment, a request whose prompt holds
-# FAULT.format(where) raises there, so that a test can show what a bug costs.
+# FAULT.format(where) raises there, so that a test can show what a bug costs: in preprocess,
+# or in a decode step once it has FAULT_AFTER tokens (time for the test to queue others).
 FAULT = "[test fault: {}]"
+FAULT_AFTER = 16
 
 
 class LlamaHandler(BaseHandler):
@@ -153,7 +155,7 @@ class LlamaHandler(BaseHandler):
         try:
             if self.test_faults:
                 self.inject_fault("decode", [j.request.inputs for j in self.jobs.values()
-                                             if any(not s.done for s in j.seqs)])
+                                             if any(not s.done and len(s.tokens) >= FAULT_AFTER for s in j.seqs)])
             self.engine.step()
         except Exception as e:
             logger.exception("decode step failed")

@@ -76,7 +76,7 @@ def test_ranks_admit_and_decode_alike(server):
     assert by_rank["0"] == by_rank["1"]
 
 
-LONG = {"prompt": "A very long story:", "max_new_tokens": 200, "temperature": 0}  # no EOS before 400 tokens
+LONG = {"prompt": "A very long story:", "max_new_tokens": 120, "temperature": 0}  # no EOS before 400 tokens
 
 
 def test_disconnect_mid_stream_frees_the_slot(server):
@@ -123,25 +123,28 @@ def test_a_failure_in_preprocess_costs_that_request_only(server, demo_llama):
 
 
 def test_a_failure_in_a_decode_step_costs_that_step_only(server, demo_llama):
-    """A decode step that raises (injected) fails the requests in that step, which is one
-    batch: three running streams end with an error line, the request that caused it gets a
-    500. The two requests that waited for a slot meanwhile are answered as usual, the slots
-    all come back, and the workers are the same processes."""
-    streams = [server.post(LONG | {"max_new_tokens": 100, "stream": True}, stream=True).iter_lines()
-               for _ in range(3)]
+    """A decode step that raises (injected, at the request's 16th token) fails the requests in
+    that step, which is one batch: the running streams end with an error line, the request
+    that caused it gets a 500. A request of three prompts that waited for slots meanwhile is
+    answered as usual, the slots all come back, and the workers are the same processes."""
+    streams = [server.post(LONG | {"max_new_tokens": 150, "stream": True}, stream=True).iter_lines()
+               for _ in range(2)]
     for lines in streams:
-        next(lines)  # all three decoding: one slot of four is left
-    bad = {"prompt": f"Once upon a time {FAULT.format('decode')}", "max_new_tokens": 8, "temperature": 0}
-    waiting = [{"prompt": p, "max_new_tokens": 8, "temperature": 0} for p in ("The sea", "A cat")]
+        next(lines)  # two of the four slots decoding
+    bad = {"prompt": f"Once upon a time {FAULT.format('decode')}", "max_new_tokens": 40, "temperature": 0}
+    waiting = {"prompt": ["The sea", "A cat", "My dog"], "max_new_tokens": 8, "temperature": 0}
     failed_steps = server.log().count("decode step failed")
-    with ThreadPoolExecutor(3) as pool:
-        bad_r, *waited = pool.map(server.post, [bad, *waiting])
+    with ThreadPoolExecutor(2) as pool:
+        bad_r = pool.submit(server.post, bad)
+        time.sleep(0.05)  # after bad (which takes the third slot), before its 16th token: waits for three
+        waited = pool.submit(server.post, waiting).result()
+        bad_r = bad_r.result()
     assert bad_r.status_code == 500 and "injected fault in decode" in bad_r.json()["message"], bad_r.text
     for lines in streams:  # begun, so a 200 whose last line is the error
         last = [json.loads(line) for line in lines if line][-1]
         assert last["code"] == 500 and "injected fault in decode" in last["message"], last
-    expected = demo_llama.text_completion([w["prompt"] for w in waiting], 8, temperature=0)
-    assert [r.json() for r in waited] == expected
+    assert waited.status_code == 200, waited.text
+    assert waited.json() == demo_llama.text_completion(waiting["prompt"], 8, temperature=0)
     deadline = time.time() + 10  # each rank logs the failure once (the log reaches the file a little later)
     while server.log().count("decode step failed") < failed_steps + 2 and time.time() < deadline:
         time.sleep(0.2)

@@ -86,8 +86,8 @@ def test_first_stream_event_comes_before_the_end(client):
     """Events go out as tokens are made, not all at the end of the request."""
     start = time.perf_counter()
     arrivals = [time.perf_counter() - start for _ in client.completions.create(
-        model="llama", prompt="A very long story:", max_tokens=150, temperature=0, stream=True)]
-    assert len(arrivals) > 100
+        model="llama", prompt="A very long story:", max_tokens=64, temperature=0, stream=True)]
+    assert len(arrivals) > 40
     assert arrivals[0] < arrivals[-1] / 4, (arrivals[0], arrivals[-1])
 
 
