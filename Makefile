@@ -55,11 +55,11 @@ mar: install $(STORE)/llama.mar
 # A model that fails to load stops TorchServe (which would retry it forever) and fails the target.
 serve: mar
 	@if curl -s -o /dev/null $(URL)/ping; then echo "TorchServe is already running at $(URL): make stop first"; exit 1; fi
-	mkdir -p $(RUN)/logs && cd $(RUN) && $(CURDIR)/.venv/bin/torchserve --start --ncs \
-	  --ts-config $(abspath $(TS_CONFIG)) --model-store $(abspath $(STORE)) --models llama=llama.mar \
+	mkdir -p $(RUN)/logs && date +%s > $(RUN)/logs/started && cd $(RUN) && $(CURDIR)/.venv/bin/torchserve --start \
+	  --ncs --ts-config $(abspath $(TS_CONFIG)) --model-store $(abspath $(STORE)) --models llama=llama.mar \
 	  > logs/torchserve.out 2>&1
-	@$(PY) tools/wait_ready.py --url $(URL) --key-file $(RUN)/key_file.json --logs $(RUN)/logs --timeout 600 \
-	  --examples || { $(STOP); exit 1; }
+	@$(PY) tools/wait_ready.py --url $(URL) --key-file $(RUN)/key_file.json --logs $(RUN)/logs \
+	  --since $$(cat $(RUN)/logs/started) --timeout 600 --examples || { $(STOP); exit 1; }
 
 # in RUN, where TorchServe removes the key file; --foreground waits until it has exited
 STOP = cd $(RUN) && $(CURDIR)/.venv/bin/torchserve --stop --foreground && echo "TorchServe has stopped."

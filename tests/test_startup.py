@@ -226,35 +226,46 @@ def test_make_serve_stops_a_worker_that_fails_to_load(tmp_path):
         server.stop()
 
 
-LOG = "2026-11-30T20:13:48,901 [INFO ] W-42107-llama_1.0-stdout MODEL_LOG - "
-TS_LOG = "2026-11-30T20:13:48,970 [WARN ] W-42107-llama_1.0 org.pytorch.serve.wlm.BatchAggregator - "
+def stamp(seconds: float) -> str:
+    """log4j's timestamp for a time.time(), as TorchServe's logs have it."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(seconds)) + ",000"
 
 
 @pytest.mark.parametrize("ending", ["worker failed", "frontend stopped"])
 def test_wait_reads_progress_and_failure_from_the_logs(tmp_path, ending):
-    """wait_ready on logs written here (no server: nothing answers the URL): each stage goes
-    to show, and the end of loading in the logs ends the wait within seconds."""
+    """wait_ready on logs written here (no server: nothing answers the URL), which begin with
+    an earlier run's failure: each stage of this run goes to show, and the end of loading in
+    this run's lines ends the wait within seconds."""
+    started = time.time() - 30
+    before = f"{stamp(started - 600)} [INFO ] W-1-stdout MODEL_LOG - "
+    now = f"{stamp(started)} [INFO ] W-2-stdout MODEL_LOG - "
+    model_log = [before + "loading rank=0/2: failed; error=OSError: an earlier run's"]
+    model_log += [now + f"loading rank={r}/2: weights loaded; bytes=9445888 seconds=0.04 dtype=float32" for r in (0, 1)]
+    ts_log = [f"{stamp(started - 600)} [WARN ] W-1 BatchAggregator - Load model failed: llama, error: Worker died."]
+    if ending == "worker failed":
+        model_log += [now + line for line in [
+            "loading rank=1/2: failed; error=CheckpointError: tensor x in /c/consolidated.00.pth is bad",
+            "Traceback (most recent call last):", '  File "/m/checkpoint.py", line 168, in tensor',
+            "    raise CheckpointError(message)",
+            "checkpoint.CheckpointError: tensor x in /c/consolidated.00.pth is bad", "Backend worker process died."]]
+        ts_log.append(f"{stamp(started + 1)} [WARN ] W-2 BatchAggregator - Load model failed: llama, error: "
+                      "Worker died.")
+    else:
+        ts_log.append(f"{stamp(started + 1)} [INFO ] main org.pytorch.serve.ModelServer - Torchserve stopped.")
     logs = tmp_path / "logs"
     logs.mkdir()
-    model_log = [f"loading rank={r}/2: weights loaded; bytes=9445888 seconds=0.04 dtype=float32" for r in (0, 1)]
-    if ending == "worker failed":
-        model_log += ["loading rank=1/2: failed; error=CheckpointError: tensor x in /c/consolidated.00.pth is bad",
-                      "Traceback (most recent call last):", '  File "/m/checkpoint.py", line 168, in tensor',
-                      "    raise CheckpointError(message)",
-                      "checkpoint.CheckpointError: tensor x in /c/consolidated.00.pth is bad",
-                      "Backend worker process died."]
-    (logs / "model_log.log").write_text("".join(LOG + line + "\n" for line in model_log))
-    (logs / "ts_log.log").write_text(TS_LOG + ("Load model failed: llama, error: Worker died.\n"
-                                               if ending == "worker failed" else "Torchserve stopped.\n"))
+    (logs / "model_log.log").write_text("\n".join(model_log) + "\n")
+    (logs / "ts_log.log").write_text("\n".join(ts_log) + "\n")
     shown = []
     start = time.monotonic()
     with pytest.raises(wait_ready.LoadFailed) as e:
         wait_ready.wait(f"http://127.0.0.1:{free_port()}", str(tmp_path / "key_file.json"), 60, str(logs),
-                        lambda status, event: shown.append((status, event)))
+                        lambda status, event: shown.append((status, event)), since=int(started))
     assert time.monotonic() - start < 5
     assert shown[:2] == [(f"loading: 0 s, 0/2 ranks ready, {gb} GB read",
                           f"rank {r}/2: weights loaded (9.4 MB, 0.04 s, dtype float32)")
                          for r, gb in ((0, "0.01"), (1, "0.02"))]
+    assert "earlier run" not in str(e.value)
     if ending == "worker failed":
         assert "rank 1/2: CheckpointError: tensor x in /c/consolidated.00.pth is bad" in str(e.value)
         assert str(e.value).endswith('raise CheckpointError(message)\n    checkpoint.CheckpointError: tensor x '

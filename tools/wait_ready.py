@@ -7,6 +7,7 @@ lines in TorchServe's logs; when a worker fails to load, stop waiting at once an
 """
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import urllib.error
 import urllib.request
 from collections import deque
 
+TIMESTAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d),\d+ ")  # log4j's, local time
 STAGE = re.compile(r"loading rank=(\d+)/(\d+): ([^;]+?)(?:; (.*))?$")
 LOAD_FAILED = "Load model failed"  # ts_log.log, whenever a worker dies while loading
 STOPPED = "Torchserve stopped."  # ts_log.log: the frontend itself ended
@@ -48,10 +50,12 @@ def post(url: str, body: dict, key: str | None, timeout: float = 120) -> tuple[i
 
 
 class Tail:
-    """The lines a growing file gained since the last call (none while it does not exist)."""
+    """The lines a growing file gained since the last call (none while it does not exist),
+    from the first one stamped at or after since (a time.time(); None: all of them): TorchServe
+    appends to the logs of earlier runs."""
 
-    def __init__(self, path: str):
-        self.path, self.offset, self.partial = path, 0, b""
+    def __init__(self, path: str, since: float | None = None):
+        self.path, self.offset, self.partial, self.since = path, 0, b"", since
 
     def lines(self) -> list[str]:
         try:
@@ -62,7 +66,15 @@ class Tail:
             return []
         self.offset += len(data) - len(self.partial)
         *lines, self.partial = data.split(b"\n")
-        return [line.decode(errors="replace") for line in lines]
+        lines = [line.decode(errors="replace") for line in lines]
+        if self.since is None:
+            return lines
+        for i, line in enumerate(lines):
+            m = TIMESTAMP.match(line)
+            if m and datetime.datetime.strptime(m[1], "%Y-%m-%dT%H:%M:%S").timestamp() >= self.since:
+                self.since = None  # this run's lines from here on
+                return lines[i:]
+        return []
 
 
 def message(line: str) -> str:
@@ -73,8 +85,9 @@ def message(line: str) -> str:
 class Loading:
     """What TorchServe's logs say about the model's loading so far."""
 
-    def __init__(self, logs: str):
-        self.model_log, self.ts_log = Tail(os.path.join(logs, "model_log.log")), Tail(os.path.join(logs, "ts_log.log"))
+    def __init__(self, logs: str, since: float | None = None):
+        self.model_log = Tail(os.path.join(logs, "model_log.log"), since)
+        self.ts_log = Tail(os.path.join(logs, "ts_log.log"), since)
         self.logs = logs
         self.world = 0
         self.stages: dict[int, str] = {}  # the last stage of each rank
@@ -145,12 +158,13 @@ def describe(figures: dict) -> str:
     return ", ".join(parts)
 
 
-def wait(url: str, key_file: str, timeout: float, logs: str | None = None, show=None) -> str:
-    """The inference key, once the model answers. With logs (TorchServe's log folder):
-    show(status, event), if given, gets each rank's new stage of loading, and a worker that
-    fails to load raises LoadFailed at once."""
+def wait(url: str, key_file: str, timeout: float, logs: str | None = None, show=None,
+         since: float | None = None) -> str:
+    """The inference key, once the model answers. With logs (TorchServe's log folder, read
+    from the lines stamped at or after since): show(status, event), if given, gets each rank's
+    new stage of loading, and a worker that fails to load raises LoadFailed at once."""
     start = time.monotonic()
-    loading = Loading(logs) if logs else None
+    loading = Loading(logs, since) if logs else None
     answered, stop, last = threading.Event(), threading.Event(), [None, ""]
     # a request sent while the model loads waits for it: the logs are read meanwhile
     threading.Thread(target=probe, args=(url, key_file, answered, stop, last), daemon=True).start()
@@ -231,13 +245,15 @@ def main():
     ap.add_argument("--url", default="http://127.0.0.1:8080")
     ap.add_argument("--key-file", default="key_file.json")
     ap.add_argument("--logs", default="logs", help="TorchServe's log folder")
+    ap.add_argument("--since", type=float, help="when TorchServe started (seconds since the epoch): "
+                    "older log lines are an earlier run's")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--examples", action="store_true")
     a = ap.parse_args()
     display = Display()
     start = time.monotonic()
     try:
-        key = wait(a.url, os.path.abspath(a.key_file), a.timeout, a.logs, display)
+        key = wait(a.url, os.path.abspath(a.key_file), a.timeout, a.logs, display, a.since)
     except (TimeoutError, LoadFailed) as e:
         display.end()
         sys.exit(str(e))
