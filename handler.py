@@ -42,7 +42,7 @@ SETTINGS = {"checkpoint": "weights", "max_seq_len": 512, "dtype": "auto", "compi
 # FAULT.format(where) raises there, so that a test can show what a bug costs: in preprocess,
 # or in a decode step once it has FAULT_AFTER tokens (time for the test to queue others).
 FAULT = "[test fault: {}]"
-FAULT_AFTER = 16
+FAULT_AFTER = 32
 
 
 class LlamaHandler(BaseHandler):

@@ -123,23 +123,18 @@ def test_a_failure_in_preprocess_costs_that_request_only(server, demo_llama):
 
 
 def test_a_failure_in_a_decode_step_costs_that_step_only(server, demo_llama):
-    """A decode step that raises (injected, at the request's 16th token) fails the requests in
-    that step, which is one batch: the running streams end with an error line, the request
-    that caused it gets a 500. A request of three prompts that waited for slots meanwhile is
-    answered as usual, the slots all come back, and the workers are the same processes."""
-    streams = [server.post(LONG | {"max_new_tokens": 150, "stream": True}, stream=True).iter_lines()
-               for _ in range(2)]
+    """A decode step that raises (injected, at the request's 32nd token) fails the requests in
+    that step, which is one batch: the running streams end with an error line, the one that
+    caused it too. A request of three prompts that waited for slots meanwhile is answered as
+    usual, the slots all come back, and the workers are the same processes."""
+    bad = {"prompt": f"Once upon a time {FAULT.format('decode')}", "max_new_tokens": 60, "temperature": 0}
+    streams = [server.post(body | {"stream": True}, stream=True).iter_lines()
+               for body in (LONG | {"max_new_tokens": 150}, LONG | {"max_new_tokens": 150}, bad)]
     for lines in streams:
-        next(lines)  # two of the four slots decoding
-    bad = {"prompt": f"Once upon a time {FAULT.format('decode')}", "max_new_tokens": 40, "temperature": 0}
-    waiting = {"prompt": ["The sea", "A cat", "My dog"], "max_new_tokens": 8, "temperature": 0}
+        next(lines)  # three of the four slots decoding, bad among them
     failed_steps = server.log().count("decode step failed")
-    with ThreadPoolExecutor(2) as pool:
-        bad_r = pool.submit(server.post, bad)
-        time.sleep(0.05)  # after bad (which takes the third slot), before its 16th token: waits for three
-        waited = pool.submit(server.post, waiting).result()
-        bad_r = bad_r.result()
-    assert bad_r.status_code == 500 and "injected fault in decode" in bad_r.json()["message"], bad_r.text
+    waiting = {"prompt": ["The sea", "A cat", "My dog"], "max_new_tokens": 8, "temperature": 0}
+    waited = server.post(waiting)  # waits in the handler for three slots, which the failure frees
     for lines in streams:  # begun, so a 200 whose last line is the error
         last = [json.loads(line) for line in lines if line][-1]
         assert last["code"] == 500 and "injected fault in decode" in last["message"], last
