@@ -5,6 +5,16 @@ TP ?= 2
 THREADS ?=
 CKPT ?=
 TOKENIZER ?=
+# more model-config.yaml settings, space-separated KEY=VALUE: SET="handler.max_seq_len=4096 batchSize=4"
+SET ?=
+# Where TorchServe runs (key_file.json, logs/, build/, model_store/) and its frontend settings
+# (addresses and ports). Tests give a folder and a config.properties of their own, with free
+# ports and an absolute metrics_config, and TMPDIR (where TorchServe keeps its pid file).
+RUN ?= .
+TS_CONFIG ?= config.properties
+URL := $(shell sed -n 's/^inference_address=//p' $(TS_CONFIG))
+BUILD := $(RUN)/build
+STORE := $(RUN)/model_store
 MODEL_FILES := $(wildcard *.py)
 DEMO_FILES := demo/params.json demo/consolidated.00.pth demo/tokenizer.model
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
@@ -30,24 +40,31 @@ install: check-java .venv/.runtime
 demo-model: .venv/.test
 	$(PY) tools/train_demo.py --out demo
 
-build/model-config.yaml: model-config.yaml tools/configure.py .venv/.runtime FORCE
-	$(PY) tools/configure.py --out $@.new --tp $(TP) $(if $(THREADS),--threads $(THREADS)) $(if $(CKPT),--checkpoint $(CKPT)) $(if $(TOKENIZER),--tokenizer $(TOKENIZER))
+$(BUILD)/model-config.yaml: model-config.yaml tools/configure.py .venv/.runtime FORCE
+	$(PY) tools/configure.py --out $@.new --tp $(TP) $(if $(THREADS),--threads $(THREADS)) \
+	  $(if $(CKPT),--checkpoint $(CKPT),--weights demo) $(if $(TOKENIZER),--tokenizer $(TOKENIZER)) \
+	  $(foreach s,$(SET),--set $(s))
 	@cmp -s $@.new $@ && rm $@.new || mv $@.new $@
 FORCE:
 
-model_store/llama.mar: build/model-config.yaml $(MODEL_FILES) tools/build_mar.py $(if $(CKPT),,$(DEMO_FILES))
-	$(PY) tools/build_mar.py --config build/model-config.yaml --export-path model_store $(if $(CKPT),,--weights demo)
+$(STORE)/llama.mar: $(BUILD)/model-config.yaml $(MODEL_FILES) tools/build_mar.py $(if $(CKPT),,$(DEMO_FILES))
+	$(PY) tools/build_mar.py --config $(BUILD)/model-config.yaml --export-path $(STORE) $(if $(CKPT),,--weights demo)
 
-mar: install model_store/llama.mar
+mar: install $(STORE)/llama.mar
 
+# A model that fails to load stops TorchServe (which would retry it forever) and fails the target.
 serve: mar
-	@if curl -s -o /dev/null http://127.0.0.1:8080/ping; then echo "TorchServe is already running here: make stop first"; exit 1; fi
-	mkdir -p logs && .venv/bin/torchserve --start --ncs --ts-config config.properties --model-store model_store \
-	  --models llama=llama.mar > logs/torchserve.out 2>&1
-	@$(PY) tools/wait_ready.py --url http://127.0.0.1:8080 --key-file key_file.json --timeout 600 --examples
+	@if curl -s -o /dev/null $(URL)/ping; then echo "TorchServe is already running at $(URL): make stop first"; exit 1; fi
+	mkdir -p $(RUN)/logs && date +%s > $(RUN)/logs/started && cd $(RUN) && $(CURDIR)/.venv/bin/torchserve --start \
+	  --ncs --ts-config $(abspath $(TS_CONFIG)) --model-store $(abspath $(STORE)) --models llama=llama.mar \
+	  > logs/torchserve.out 2>&1
+	@$(PY) tools/wait_ready.py --url $(URL) --key-file $(RUN)/key_file.json --logs $(RUN)/logs \
+	  --since $$(cat $(RUN)/logs/started) --timeout 600 --examples || { $(STOP); exit 1; }
 
+# in RUN, where TorchServe removes the key file; --foreground waits until it has exited
+STOP = cd $(RUN) && $(CURDIR)/.venv/bin/torchserve --stop --foreground && echo "TorchServe has stopped."
 stop:
-	-.venv/bin/torchserve --stop
+	-$(STOP)
 
 test: check-java .venv/.test
 	$(PY) -m pytest -q tests

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import struct
+import zipfile
 from dataclasses import dataclass
 
 import torch
@@ -29,13 +30,34 @@ class CheckpointError(ValueError):
 
 
 def open_checkpoint(folder: str):
+    return MetaCheckpoint(folder) if is_meta(folder) else HFCheckpoint(folder)
+
+
+def is_meta(folder: str) -> bool:
+    """True for Meta's layout, False for Hugging Face's; a folder in neither raises."""
     if not os.path.isdir(folder):
         raise CheckpointError(f"checkpoint folder not found: {folder}")
     if os.path.isfile(os.path.join(folder, "params.json")):
-        return MetaCheckpoint(folder)
+        return True
     if os.path.isfile(os.path.join(folder, "config.json")):
-        return HFCheckpoint(folder)
+        return False
     raise CheckpointError(f"{folder} holds neither params.json (Meta layout) nor config.json (Hugging Face layout)")
+
+
+def inspect(folder: str) -> tuple[dict, int | None]:
+    """(model arguments, the context length the checkpoint was made for, None where it does
+    not say) of the checkpoint in folder, after checking that its weights files are all there
+    and none is cut short. Reads the JSON files, safetensors headers and the .pth files' zip
+    directories, no weights: this is the check before a server starts."""
+    if is_meta(folder):
+        args = meta_params(folder)
+        for path in meta_shards(folder):
+            check_zip(path)
+        return args, None  # Meta's params.json does not record it
+    args, config = hf_config(folder)
+    for path in safetensors_paths(folder):
+        safetensors_header(path)
+    return args, config.get("max_position_embeddings")
 
 
 class Checkpoint:
@@ -46,15 +68,21 @@ class Checkpoint:
         raise NotImplementedError
 
     @torch.no_grad()
-    def load_into(self, model: torch.nn.Module, plan: dict[str, list[Piece]]):
-        """Fill every parameter of model from the slices that plan names for it."""
+    def load_into(self, model: torch.nn.Module, plan: dict[str, list[Piece]], progress=None) -> int:
+        """Fill every parameter of model from the slices that plan names for it. Returns the
+        bytes read; progress, if given, is called with the bytes read so far after each parameter."""
         params = dict(model.named_parameters())
         if set(params) != set(plan):
             raise CheckpointError(f"weight plan and model disagree on {sorted(set(params) ^ set(plan))}")
+        read = 0
         for name, pieces in plan.items():
             parts = [self.tensor(p) for p in pieces]
             value = parts[0] if len(parts) == 1 else torch.cat(parts)
             params[name].copy_(value)
+            read += sum(p.nbytes for p in parts)
+            if progress:
+                progress(read)
+        return read
 
 
 def narrow(t: torch.Tensor, piece: Piece) -> torch.Tensor:
@@ -98,21 +126,30 @@ def meta_model_args(params: dict, path: str) -> dict:
     return params
 
 
+def meta_params(folder: str) -> dict:
+    params_path = os.path.join(folder, "params.json")
+    with open(params_path) as f:
+        return meta_model_args(json.load(f), params_path)
+
+
+def meta_shards(folder: str) -> list[str]:
+    """consolidated.00.pth, .01, ... with none missing."""
+    paths = sorted(glob.glob(os.path.join(folder, "consolidated.*.pth")))
+    if not paths:
+        raise CheckpointError(f"no consolidated.NN.pth files in {folder}")
+    for i, path in enumerate(paths):
+        expected = os.path.join(folder, f"consolidated.{i:02d}.pth")
+        if path != expected:
+            raise CheckpointError(f"missing shard {expected} (found {[os.path.basename(p) for p in paths]})")
+    return paths
+
+
 class MetaCheckpoint(Checkpoint):
     def __init__(self, folder: str):
         self.folder = folder
-        params_path = os.path.join(folder, "params.json")
-        with open(params_path) as f:
-            self.model_args = meta_model_args(json.load(f), params_path)
-        paths = sorted(glob.glob(os.path.join(folder, "consolidated.*.pth")))
-        if not paths:
-            raise CheckpointError(f"no consolidated.NN.pth files in {folder}")
-        for i, path in enumerate(paths):
-            expected = os.path.join(folder, f"consolidated.{i:02d}.pth")
-            if path != expected:
-                raise CheckpointError(f"missing shard {expected} (found {[os.path.basename(p) for p in paths]})")
-        self.paths = paths
-        self.shards = [load_pth(p) for p in paths]
+        self.model_args = meta_params(folder)
+        self.paths = meta_shards(folder)
+        self.shards = [load_pth(p) for p in self.paths]
         # Llama 3.2 1B/3B tie the output projection to the embedding
         self.tied = "output.weight" not in self.shards[0] and "tok_embeddings.weight" in self.shards[0]
         self.model_args["tie_word_embeddings"] = self.tied
@@ -160,6 +197,17 @@ def load_pth(path: str) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # weights_only refuses pickled code; a torn file fails here too
         raise CheckpointError(f"cannot load {path} as plain tensors: {e}") from e
+
+
+def check_zip(path: str):
+    """torch.save writes a zip archive whose directory is at its end: a file cut short has
+    lost it. Reads the directory only."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            z.infolist()
+    except (zipfile.BadZipFile, OSError) as e:
+        raise CheckpointError(f"{path} is truncated or not a torch.save file ({os.path.getsize(path)} bytes, "
+                              f"no zip directory at its end: {e})") from None
 
 
 def slice_of_concatenation(parts: list[torch.Tensor], cat_dim: int, piece: Piece) -> torch.Tensor:
@@ -241,28 +289,37 @@ def hf_rope(config: dict, refuse) -> tuple[float, dict | None]:
     return theta, {k: rope[k] for k in LLAMA3_ROPE_KEYS}
 
 
+def hf_config(folder: str) -> tuple[dict, dict]:
+    """(model arguments, config.json)"""
+    config_path = os.path.join(folder, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    return hf_model_args(config, config_path), config
+
+
+def safetensors_paths(folder: str) -> list[str]:
+    """The files that model.safetensors.index.json lists, all there, or every *.safetensors."""
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        paths = [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
+        for path in paths:
+            if not os.path.isfile(path):
+                raise CheckpointError(f"missing shard {path} (listed in {index_path})")
+        return paths
+    paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not paths:
+        raise CheckpointError(f"no *.safetensors files in {folder}")
+    return paths
+
+
 class HFCheckpoint(Checkpoint):
     def __init__(self, folder: str):
         self.folder = folder
-        config_path = os.path.join(folder, "config.json")
-        with open(config_path) as f:
-            self.model_args = hf_model_args(json.load(f), config_path)
+        self.model_args, _ = hf_config(folder)
         self.tied = self.model_args["tie_word_embeddings"]
-        index_path = os.path.join(folder, "model.safetensors.index.json")
-        if os.path.isfile(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
-            if not files:
-                raise CheckpointError(f"no *.safetensors files in {folder}")
-        self.files = {}
-        for name in files:
-            path = os.path.join(folder, name)
-            if not os.path.isfile(path):
-                raise CheckpointError(f"missing shard {path} (listed in {index_path})")
-            self.files[name] = SafetensorsFile(path)
+        self.files = {os.path.basename(p): SafetensorsFile(p) for p in safetensors_paths(folder)}
         self.location = {t: f for f in self.files.values() for t in f.header}
         self.n_heads, self.n_kv_heads = self.model_args["n_heads"], self.model_args["n_kv_heads"]
 
@@ -289,27 +346,36 @@ def unpermute_rotary(w: torch.Tensor, head_dim: int) -> torch.Tensor:
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
+def safetensors_header(path: str) -> tuple[dict, int]:
+    """(tensor entries, where the data starts) of a .safetensors file, after checking that
+    the file is long enough for the data its header places."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path} is not a safetensors file (too short)")
+        n = struct.unpack("<Q", head)[0]
+        if n > size - 8:
+            raise CheckpointError(f"{path} is not a safetensors file (header length {n})")
+        try:
+            header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            end = 8 + n + max((info["data_offsets"][1] for info in header.values()), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            raise CheckpointError(f"{path}: unreadable safetensors header: {e!r}") from e
+    if end > size:
+        raise CheckpointError(f"{path} is truncated: its header places tensor data up to byte {end}, "
+                              f"the file has {size} bytes")
+    return header, 8 + n
+
+
 class SafetensorsFile:
     """A .safetensors file, memory-mapped; tensors are views into the map."""
 
     def __init__(self, path: str):
         self.path = path
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path} is not a safetensors file (too short)")
-            n = struct.unpack("<Q", head)[0]
-            if n > size - 8:
-                raise CheckpointError(f"{path} is not a safetensors file (header length {n})")
-            try:
-                header = json.loads(f.read(n))
-            except ValueError as e:
-                raise CheckpointError(f"{path}: unreadable safetensors header: {e}") from e
-        header.pop("__metadata__", None)
-        self.header = header
-        self.data_start = 8 + n
-        self.storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=size)
+        self.header, self.data_start = safetensors_header(path)
+        self.storage = torch.UntypedStorage.from_file(path, shared=False, nbytes=os.path.getsize(path))
 
     def tensor(self, name: str) -> torch.Tensor:
         info = self.header[name]

@@ -38,24 +38,49 @@ AT_ONCE = {"models", "tokenizer_info", "tokenize", "detokenize"}  # answered wit
 JSON = "application/json"
 
 
+# What a model-config.yaml that leaves a handler key out gets (README: Configuration). The
+# tokenizer defaults to <checkpoint>/tokenizer.model; limits and defaults to api's dataclasses.
+SETTINGS = {"checkpoint": "weights", "max_seq_len": 512, "dtype": "auto", "compile": False, "kv_cache_bytes": 0,
+            "max_batched_tokens": 512, "steps_per_iteration": 4, "prefix_caching": True}
+# Tests only: with LLAMA_TEST_FAULTS=1 in the workers' environment, a request whose prompt holds
+# FAULT.format(where) raises there, so that a test can show what a bug costs: in preprocess,
+# or in a decode step once it has FAULT_AFTER tokens (time for the test to queue others).
+FAULT = "[test fault: {}]"
+FAULT_AFTER = 32
+
+
 class LlamaHandler(BaseHandler):
+    test_faults = False
+
     def initialize(self, ctx):
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.reported = 0.0
+        try:
+            self.load(ctx)
+        except Exception as e:
+            self.progress("failed", error=f"{type(e).__name__}: {e}")
+            raise
+        self.progress("ready")
+        self.initialized = True
+
+    def load(self, ctx):
         config = ctx.model_yaml_config
         if not config.get("continuousBatching"):
             raise ValueError("model-config.yaml must set continuousBatching: true (this handler batches "
                              "requests step by step)")
-        settings = dict(config.get("handler") or {})
+        settings = SETTINGS | dict(config.get("handler") or {})
         model_dir = ctx.system_properties["model_dir"]
-        checkpoint = os.path.join(model_dir, settings.pop("checkpoint", "checkpoint"))
+        checkpoint = os.path.join(model_dir, settings.pop("checkpoint"))
         # a tokenizer file, or a folder with tokenizer.json or tokenizer.model: by default the checkpoint's
         tokenizer = os.path.join(model_dir, settings.pop("tokenizer", checkpoint))
-        self.max_seq_len = int(settings.pop("max_seq_len", 2048))
-        dtype = settings.pop("dtype", "auto")
-        compile_decode = settings.pop("compile", False)
-        kv_cache_bytes = int(settings.pop("kv_cache_bytes", 0))
-        max_batched_tokens = int(settings.pop("max_batched_tokens", 512))
-        steps_per_iteration = int(settings.pop("steps_per_iteration", 4))
-        prefix_caching = settings.pop("prefix_caching", True)
+        self.max_seq_len = int(settings.pop("max_seq_len"))
+        dtype = settings.pop("dtype")
+        compile_decode = settings.pop("compile")
+        kv_cache_bytes = int(settings.pop("kv_cache_bytes"))
+        max_batched_tokens = int(settings.pop("max_batched_tokens"))
+        steps_per_iteration = int(settings.pop("steps_per_iteration"))
+        prefix_caching = settings.pop("prefix_caching")
         self.limits = api.dataclass_from(Limits, settings.pop("limits", None), "handler.limits")
         self.defaults = api.dataclass_from(Defaults, settings.pop("defaults", None), "handler.defaults")
         if settings:
@@ -67,18 +92,20 @@ class LlamaHandler(BaseHandler):
             raise ValueError(f"handler.dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
 
         slots = int(ctx.system_properties.get("batch_size") or 1)  # batchSize: sequences decoded together
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
         start = time.perf_counter()
-        llama = tp_llama(None, checkpoint, tokenizer, world_size, dtype=DTYPES.get(dtype),
-                         max_batch_size=slots, max_seq_len=self.max_seq_len, kv_cache_bytes=kv_cache_bytes)
-        logger.info("loaded %s on %d rank(s) in %.1f s: %s", checkpoint, world_size,
+        llama = tp_llama(None, checkpoint, tokenizer, self.world_size, dtype=DTYPES.get(dtype),
+                         max_batch_size=slots, max_seq_len=self.max_seq_len, kv_cache_bytes=kv_cache_bytes,
+                         progress=self.progress)
+        logger.info("loaded %s on %d rank(s) in %.1f s: %s", checkpoint, self.world_size,
                     time.perf_counter() - start, llama.model.params)
         logger.info("tokenizer %s (%s), chat format %s", llama.tokenizer.path, type(llama.tokenizer).__name__,
                     chat_format.format_name(llama.tokenizer))
         if compile_decode:
             start = time.perf_counter()
             llama.model.compile_decode()
-            logger.info("compiled the decode step in %.1f s", time.perf_counter() - start)
+            self.progress("compiled the decode step", seconds=round(time.perf_counter() - start, 1))
+        else:
+            self.progress("not compiled (handler.compile: false)")
         model = llama.model
         logger.info("KV cache: %d blocks of %d tokens (%.1f MB on this rank), prefix caching %s, "
                     "%s tokens per step", model.num_blocks, model.block_size,
@@ -87,12 +114,23 @@ class LlamaHandler(BaseHandler):
         self.use_engine(Engine(model, llama.tokenizer, slots, max_batched_tokens, prefix_caching),
                         steps_per_iteration)
         self.limits.max_prompts = min(self.limits.max_prompts, slots)
-        self.rank0 = int(os.environ.get("RANK", "0")) == 0
+        self.rank0 = self.rank == 0
         self.created = int(time.time())
+        self.test_faults = os.environ.get("LLAMA_TEST_FAULTS") == "1"
         # Bodies reach the handler as bytes, not as JSON TorchServe decoded leniently (NaN,
         # scalars): read_body checks every one against limits.max_body_bytes and parses it strictly.
         os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
-        self.initialized = True
+
+    def progress(self, stage: str, **figures):
+        """Log a stage of loading on this rank as tools/wait_ready.py reads it, e.g.
+        'loading rank=1/2: weights loaded; bytes=8388608 seconds=0.4'. The bytes read so far
+        go out at most every 2 s."""
+        now = time.monotonic()
+        if stage == "reading checkpoint" and "bytes" in figures and now - self.reported < 2:
+            return
+        self.reported = now
+        text = " ".join(f"{k}={v}" for k, v in figures.items()).replace("\n", " ")
+        logger.info("loading rank=%d/%d: %s%s", self.rank, self.world_size, stage, f"; {text}" if text else "")
 
     def use_engine(self, engine: Engine, steps_per_iteration: int = 1):
         """Serve with engine, nothing in flight yet."""
@@ -132,12 +170,17 @@ class LlamaHandler(BaseHandler):
         of them for the sequences admitted), up to steps_per_iteration: fewer round trips
         through TorchServe per token, while a first token or an answer goes out after its step."""
         try:
+            if self.test_faults:
+                self.inject_fault("decode", [j.request.inputs for j in self.jobs.values()
+                                             if any(not s.done and len(s.tokens) >= FAULT_AFTER for s in j.seqs)])
             self.engine.run(self.steps_per_iteration)
         except Exception as e:
             logger.exception("engine step failed")
             self.exit_if_a_rank_is_gone()
+            # the requests with a sequence in the failed step fail; those still waiting go on
+            failed = set(self.engine.scheduler.running)
             for job in self.jobs.values():
-                if any(not s.done for s in job.seqs):
+                if failed.intersection(job.seqs):
                     job.error = RequestError(f"internal error: {e}", None, status=500)
                     for seq in job.seqs:
                         self.engine.release(seq)
@@ -214,6 +257,7 @@ class LlamaHandler(BaseHandler):
             request = api.parse_native(body, self.limits, self.defaults)
         else:
             request = openai_api.parse(route, body, self.context.model_name, self.limits, self.defaults)
+        self.inject_fault("preprocess", request.inputs)
         prompts = api.sequences(request, self.tokenizer, self.max_seq_len, self.limits, self.defaults)
         for tokens, params in prompts:  # all checks before any sequence is queued
             try:
@@ -225,6 +269,11 @@ class LlamaHandler(BaseHandler):
         job = Job(request, self.is_http(idx), prompts, meta)
         job.seqs = [self.engine.add(tokens, params) for tokens, params in prompts]
         return job
+
+    def inject_fault(self, where: str, inputs: list):
+        """Tests only: raise when a prompt in inputs asks for a fault here (see FAULT)."""
+        if self.test_faults and FAULT.format(where) in json.dumps(inputs):
+            raise RuntimeError(f"injected fault in {where} (LLAMA_TEST_FAULTS=1)")
 
     def is_http(self, idx: int) -> bool:
         return any(k.lower() in ("url_path", "host") for k in self.context.get_all_request_header(idx))

@@ -3,6 +3,7 @@ folder (Meta or Hugging Face layout) straight into each rank's shard."""
 
 import dataclasses
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -539,13 +540,17 @@ def init_distributed(world_size: int) -> torch.device:
 
 
 def tp_llama(model_args, checkpoint_path, tokenizer_path, world_size, dtype: torch.dtype | None = None,
-             max_batch_size: int | None = None, max_seq_len: int | None = None, kv_cache_bytes: int = 0):
+             max_batch_size: int | None = None, max_seq_len: int | None = None, kv_cache_bytes: int = 0,
+             progress=None):
     """Build a Llama sharded over world_size ranks from a Meta or Hugging Face checkpoint
     folder. Each rank reads only its own slices of the (memory-mapped) checkpoint.
     max_batch_size and max_seq_len, when given, size the KV cache instead of model_args;
-    kv_cache_bytes, when given, is the KV cache's size on each rank instead."""
+    kv_cache_bytes, when given, is the KV cache's size on each rank instead. progress, if
+    given, is called as progress(stage, **figures) at each stage of loading."""
+    report = progress or (lambda stage, **figures: None)
     device = init_distributed(world_size)
     rank, _ = tp_world()
+    report("reading checkpoint", path=checkpoint_path)
     tokenizer = Tokenizer(tokenizer_path or checkpoint_path)  # a file, or a folder that holds one
     reader = checkpoint.open_checkpoint(checkpoint_path)
     args = resolve_model_args(model_args, reader.model_args, tokenizer)
@@ -560,9 +565,14 @@ def tp_llama(model_args, checkpoint_path, tokenizer_path, world_size, dtype: tor
     parallelize_llama_attn_block(model, world_size)
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
-    reader.load_into(model, weight_plan(model, rank, world_size))
+    start = time.perf_counter()
+    read = reader.load_into(model, weight_plan(model, rank, world_size),
+                            progress=lambda read: report("reading checkpoint", bytes=read))
+    report("weights loaded", bytes=read, seconds=round(time.perf_counter() - start, 2),
+           dtype=str(dtype).removeprefix("torch."))
     model.eval().requires_grad_(False)
     model.setup_caches(max_batch_size, max_seq_len, kv_cache_bytes // model.kv_block_bytes() or None)
+    report("kv cache allocated", bytes=sum(2 * layer.attention.cache_k.nbytes for layer in model.layers))
     return Llama(model, tokenizer)
 
 

@@ -39,18 +39,20 @@ SERVER_SLOTS = 4
 SERVER_MAX_SEQ_LEN = 512
 
 
-def start_demo_server(workdir, **handler):
+def start_demo_server(workdir, env: dict | None = None, **handler):
     """A TorchServe (TP=2 on CPU) serving DEMO with the tests' slots and context; handler:
-    more settings for model-config.yaml's handler section."""
+    more settings for model-config.yaml's handler section; env: more environment variables."""
     from local_server import start_server
 
-    return start_server(workdir, DEMO, tp=2, batch_size=SERVER_SLOTS, handler={"max_seq_len": SERVER_MAX_SEQ_LEN} | handler)
+    return start_server(workdir, DEMO, tp=2, env=env, batch_size=SERVER_SLOTS,
+                        handler={"max_seq_len": SERVER_MAX_SEQ_LEN} | handler)
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """One TorchServe for the whole test run."""
-    srv = start_demo_server(tmp_path_factory.mktemp("torchserve"))
+    """One TorchServe for the whole test run; its handler raises where a prompt asks it to
+    (handler.FAULT), which test_batching.py uses to show what a bug costs."""
+    srv = start_demo_server(tmp_path_factory.mktemp("torchserve"), env={"LLAMA_TEST_FAULTS": "1"})
     srv.initial_pids = srv.worker_pids()
     yield srv
     srv.stop()

@@ -10,6 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from handler import FAULT
+
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 
 
@@ -84,22 +86,76 @@ def test_ranks_admit_and_decode_alike(server):
     assert by_rank["0"] == by_rank["1"]
 
 
+LONG = {"prompt": "A very long story:", "max_new_tokens": 120, "temperature": 0}  # no EOS before 400 tokens
+
+
 def test_disconnect_mid_stream_frees_the_slot(server):
-    r = server.post({"prompt": "A very long story:", "max_new_tokens": 400, "temperature": 0, "stream": True},
-                    stream=True)
+    """A stream whose client goes away gives its slot back long before it would have ended by
+    itself (its 'done' line alone would not tell: a finished request writes one too)."""
+    start = time.perf_counter()
+    assert server.generate(LONG)["usage"]["completion_tokens"] == LONG["max_new_tokens"]
+    by_itself = time.perf_counter() - start
+    assert slots_in_use(server) == 0
+    r = server.post(LONG | {"stream": True}, stream=True)
+    opened = time.perf_counter()
     lines = r.iter_lines()
     assert json.loads(next(lines))["text"] is not None
     next(lines)
     r.close()  # the client goes away mid-stream
-    deadline = time.time() + 60
-    while time.time() < deadline:
+    freed = None
+    while freed is None and time.perf_counter() - opened < 2 * by_itself + 30:
         server.generate({"prompt": "ping", "max_new_tokens": 1})  # an iteration that reports the slots
         if slots_in_use(server) == 0:
-            break
-        time.sleep(0.5)
-    assert slots_in_use(server) == 0
+            freed = time.perf_counter() - opened
+    assert freed is not None and freed < by_itself / 2, (freed, by_itself)
     request_id = r.headers["x-request-id"]
     assert re.search(rf"done {request_id} rank=0 .*", server.log()), "the handler never let the request go"
+
+
+def test_a_failure_in_preprocess_costs_that_request_only(server, demo_llama):
+    """A bug while reading a request (injected: handler.FAULT) costs that request a 500; the
+    requests decoding meanwhile and those sent with it are answered as usual, no slot stays
+    taken, and the workers are the same processes."""
+    running = server.post(LONG | {"max_new_tokens": 40, "stream": True}, stream=True)
+    lines = running.iter_lines()
+    first = json.loads(next(lines))["text"]  # it is decoding
+    bad = {"prompt": f"Once upon a time {FAULT.format('preprocess')}", "max_new_tokens": 8, "temperature": 0}
+    good = {"prompt": "Once upon a time", "max_new_tokens": 8, "temperature": 0}
+    with ThreadPoolExecutor(2) as pool:
+        bad_r, good_r = pool.map(server.post, [bad, good])
+    assert bad_r.status_code == 500, bad_r.text
+    assert "internal error: injected fault in preprocess" in bad_r.json()["message"]
+    assert good_r.json() == demo_llama.text_completion([good["prompt"]], 8, temperature=0)[0]
+    rest = "".join(json.loads(line).get("text", "") for line in lines if line)
+    assert first + rest == demo_llama.text_completion([LONG["prompt"]], 40, temperature=0)[0]["generation"]
+    assert slots_in_use(server) == 0
+    assert server.worker_pids() == server.initial_pids
+
+
+def test_a_failure_in_a_decode_step_costs_that_step_only(server, demo_llama):
+    """A decode step that raises (injected, at the request's 32nd token) fails the requests in
+    that step, which is one batch: the running streams end with an error line, the one that
+    caused it too. A request of three prompts that waited for slots meanwhile is answered as
+    usual, the slots all come back, and the workers are the same processes."""
+    bad = {"prompt": f"Once upon a time {FAULT.format('decode')}", "max_new_tokens": 60, "temperature": 0}
+    streams = [server.post(body | {"stream": True}, stream=True).iter_lines()
+               for body in (LONG | {"max_new_tokens": 150}, LONG | {"max_new_tokens": 150}, bad)]
+    for lines in streams:
+        next(lines)  # three of the four slots decoding, bad among them
+    failed_steps = server.log().count("decode step failed")
+    waiting = {"prompt": ["The sea", "A cat", "My dog"], "max_new_tokens": 8, "temperature": 0}
+    waited = server.post(waiting)  # waits in the handler for three slots, which the failure frees
+    for lines in streams:  # begun, so a 200 whose last line is the error
+        last = [json.loads(line) for line in lines if line][-1]
+        assert last["code"] == 500 and "injected fault in decode" in last["message"], last
+    assert waited.status_code == 200, waited.text
+    assert waited.json() == demo_llama.text_completion(waiting["prompt"], 8, temperature=0)
+    deadline = time.time() + 10  # each rank logs the failure once (the log reaches the file a little later)
+    while server.log().count("decode step failed") < failed_steps + 2 and time.time() < deadline:
+        time.sleep(0.2)
+    assert server.log().count("decode step failed") == failed_steps + 2
+    assert slots_in_use(server) == 0
+    assert server.worker_pids() == server.initial_pids
 
 
 @pytest.mark.parametrize("n_prompts", [4])

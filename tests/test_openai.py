@@ -2,6 +2,7 @@
 metrics on TorchServe's Prometheus endpoint."""
 
 import re
+import time
 
 import openai
 import pytest
@@ -79,6 +80,43 @@ def test_options_stop_seed_logprobs(server, client):
     chat = client.chat.completions.create(model="llama", messages=MESSAGES, max_tokens=5, temperature=0,
                                           logprobs=True)
     assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+
+
+def test_first_stream_event_comes_before_the_end(client):
+    """Events go out as tokens are made, not all at the end of the request."""
+    start = time.perf_counter()
+    arrivals = [time.perf_counter() - start for _ in client.completions.create(
+        model="llama", prompt="A very long story:", max_tokens=64, temperature=0, stream=True)]
+    assert len(arrivals) > 40
+    assert arrivals[0] < arrivals[-1] / 4, (arrivals[0], arrivals[-1])
+
+
+def test_completion_logprobs_equal_native_and_in_process(server, client, demo_llama):
+    """OpenAI's logprobs (with echo: the prompt's too, none for its first token) are the native
+    API's and those of the model in this process, token for token."""
+    native_body = {"prompt": PROMPT, "max_new_tokens": 8, "temperature": 0, "logprobs": True}
+    for echo in (True, False):
+        scored = client.completions.create(model="llama", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0,
+                                           echo=echo).choices[0]
+        native = server.generate(native_body | {"echo": echo})
+        local = demo_llama.text_completion([PROMPT], 8, temperature=0, logprobs=True, echo=echo)[0]
+        lp = scored.logprobs
+        assert lp.tokens == native["tokens"] == local["tokens"]
+        assert scored.text == native["generation"] == local["generation"]
+        values = lp.token_logprobs
+        if echo:
+            assert values[0] is None and native["logprobs"][0] == 0.0  # nothing predicts the first token
+            values, native["logprobs"], local["logprobs"] = values[1:], native["logprobs"][1:], local["logprobs"][1:]
+        assert values == pytest.approx(native["logprobs"], abs=1e-6)
+        assert values == pytest.approx(local["logprobs"], abs=1e-3)
+
+
+def test_chat_logprobs_equal_native(server, client):
+    native = server.generate({"dialog": MESSAGES, "max_new_tokens": 8, "temperature": 0, "logprobs": True})
+    chat = client.chat.completions.create(model="llama", messages=MESSAGES, max_tokens=8, temperature=0,
+                                          logprobs=True).choices[0]
+    assert [c.token for c in chat.logprobs.content] == native["tokens"]
+    assert [c.logprob for c in chat.logprobs.content] == pytest.approx(native["logprobs"], abs=1e-6)
 
 
 def test_models(client):

@@ -3,6 +3,7 @@ checked against the same model run in this process."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -78,6 +79,41 @@ def test_streaming_adds_up_to_the_answer(server, body):
     assert chunks[-1]["finish_reason"] == whole["finish_reason"]
     assert chunks[-1]["usage"] == whole["usage"]
     assert all("finish_reason" not in c for c in chunks[:-1])
+
+
+def test_stream_of_a_list_of_prompts(server):
+    """Each line names its prompt (index); each prompt's lines add up to its answer."""
+    body = {"prompt": PROMPTS} | GREEDY
+    whole = server.generate(body)
+    lines = server.stream(body)
+    assert all(set(line) >= {"index", "text"} for line in lines)
+    assert {line["index"] for line in lines} == {0, 1}
+    for i, answer in enumerate(whole):
+        own = [line for line in lines if line["index"] == i]
+        assert "".join(line["text"] for line in own) == answer["generation"]
+        assert own[-1]["finish_reason"] == answer["finish_reason"] and own[-1]["usage"] == answer["usage"]
+        assert all("finish_reason" not in line for line in own[:-1])
+
+
+def test_stream_with_echo(server):
+    body = {"prompt": PROMPTS[1], "echo": True} | GREEDY
+    whole = server.generate(body)
+    chunks = server.stream(body)
+    assert chunks[0]["text"].startswith(PROMPTS[1]) and len(chunks) > 2
+    assert "".join(c["text"] for c in chunks) == whole["generation"]
+
+
+def test_stop_string_streamed(server):
+    """A stop string of two words: the first word, which might begin it, is held back, so the
+    streamed text is the cut answer, never more."""
+    full = server.generate({"prompt": PROMPTS[0]} | GREEDY)["generation"]
+    words = list(re.finditer(r"\S+", full))
+    stop = full[words[3].start():words[4].end()]
+    body = {"prompt": PROMPTS[0], "stop": stop} | GREEDY
+    chunks = server.stream(body)
+    text = "".join(c["text"] for c in chunks)
+    assert text == full[:full.index(stop)] == server.generate(body)["generation"]
+    assert chunks[-1]["finish_reason"] == "stop"
 
 
 def test_stream_of_one_token(server):
@@ -199,8 +235,14 @@ def test_bad_input_streamed(server):
 
 
 def test_body_without_json_content_type(server):
+    """TorchServe splits a form-encoded body into fields, so no body reaches the handler: 415.
+    Other bodies are read as JSON whatever their Content-Type (README: Errors)."""
     r = server.post(json.dumps({"prompt": "a"}), headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert r.status_code == 415 and "Content-Type: application/json" in r.json()["message"]
+    r = server.post(json.dumps({"prompt": "a", "max_new_tokens": 2}), headers={"Content-Type": "text/plain"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+    r = server.post("<prompt>a</prompt>", headers={"Content-Type": "application/xml"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["message"]
 
 
 def test_same_workers_answer_after_bad_input(server, demo_llama):

@@ -1,14 +1,30 @@
 """Write a model-config.yaml for one deployment, from the repository's, with the choices
-`make serve` takes (TP, THREADS, CKPT) and the ports the tests pick.
+`make serve` takes (TP, THREADS, CKPT, SET) and the ports the tests pick, after checking
+that the checkpoint, the tokenizer and the settings can be served: what would make every
+worker fail to load is refused here, in seconds, with one line naming the problem.
 
     python tools/configure.py --out build/model-config.yaml --tp 4 --checkpoint /models/llama-2-13b
 """
 
 import argparse
 import os
+import sys
 import warnings
 
 import yaml
+
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch runs without it
+import torch  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import checkpoint  # noqa: E402
+import llama2  # noqa: E402
+from tokenizer import Tokenizer, tokenizer_file  # noqa: E402
+
+# Beyond the tokenizer's vocabulary, a checkpoint's embedding may hold this many padding rows
+# (a pad token, a size rounded up to a multiple of 64 or 128); more is another vocabulary.
+VOCAB_PADDING = 256
 
 
 def configure(base: dict, tp: int | None = None, checkpoint: str | None = None, tokenizer: str | None = None,
@@ -33,23 +49,101 @@ def configure(base: dict, tp: int | None = None, checkpoint: str | None = None, 
     return config
 
 
+def set_key(config: dict, assignment: str):
+    """Apply one KEY=VALUE: a dotted key into config, a YAML value
+    (handler.max_seq_len=4096, handler.defaults.temperature=0, batchSize=4)."""
+    key, sep, value = assignment.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--set takes KEY=VALUE, got {assignment!r}")
+    *path, last = key.split(".")
+    node = config
+    for part in path:
+        node = node.setdefault(part, {})
+    node[last] = yaml.safe_load(value)
+
+
+def on_disk(path: str, weights: str | None) -> str | None:
+    """Where a handler path is before archiving: absolute paths are served in place; relative
+    ones are inside the archive, whose weights/ is the folder build_mar.py packs (None: unknown)."""
+    if os.path.isabs(path):
+        return path
+    return os.path.normpath(os.path.join(weights, os.path.relpath(path, "weights"))) if weights else None
+
+
+def check(config: dict, weights: str | None = None) -> str:
+    """What was checked, in one line; or a ValueError naming the first problem that would make
+    every rank fail to load: a checkpoint folder that is missing, in neither layout, incomplete
+    or with a file cut short; a missing tokenizer or one whose vocabulary does not fit the
+    model; a TP size that does not divide the model's heads, KV heads or FFN width (or more
+    ranks than GPUs); a max_seq_len beyond the positions the model was made for. Reads the
+    checkpoint's JSON files and file headers, no weights."""
+    handler, tp = config["handler"], int(config["torchrun"]["nproc-per-node"])
+    configured = handler.get("checkpoint", "weights")  # the handler's default
+    folder = on_disk(configured, weights)
+    if folder is None:
+        return f"not checked: {configured} is inside the archive (give --weights)"
+    args, positions = checkpoint.inspect(folder)
+    tokenizer_path = on_disk(handler.get("tokenizer") or configured, weights)
+    try:
+        tokenizer_path = tokenizer_file(tokenizer_path)  # a folder's tokenizer.json or tokenizer.model
+    except FileNotFoundError as e:
+        raise ValueError(f"{e} (give TOKENIZER=... or handler.tokenizer)") from None
+    try:
+        n_words = Tokenizer(tokenizer_path).n_words
+    except Exception as e:  # whatever the tokenizer library raises for a file it cannot read
+        raise ValueError(f"cannot read the tokenizer {tokenizer_path}: {e}") from None
+    vocab = args["vocab_size"]
+    if vocab > 0 and not n_words <= vocab < n_words + VOCAB_PADDING:
+        raise ValueError(f"the tokenizer {tokenizer_path} has {n_words} tokens, the model in {folder} "
+                         f"{vocab}: they are not the same vocabulary")
+
+    model = llama2.ModelArgs(**args)
+    try:
+        for rank in range(tp):
+            llama2.head_ranges(model, rank, tp)
+    except ValueError as e:
+        raise ValueError(f"TP={tp} does not fit the model in {folder} ({model.n_heads} heads, "
+                         f"{model.n_kv_heads} KV heads): {e}") from None
+    if model.ffn_hidden_dim % tp:
+        raise ValueError(f"TP={tp} does not fit the model in {folder}: its FFN width {model.ffn_hidden_dim} "
+                         f"cannot be split over {tp} ranks")
+    max_seq_len = handler.get("max_seq_len")
+    if positions and max_seq_len and max_seq_len > positions:
+        raise ValueError(f"handler.max_seq_len {max_seq_len} is beyond the {positions} positions the model "
+                         f"in {folder} was made for (config.json max_position_embeddings)")
+    if config.get("deviceType") == "gpu" and torch.cuda.device_count() < tp:
+        raise ValueError(f"TP={tp} needs {tp} GPUs, this machine has {torch.cuda.device_count()}")
+    return (f"checked {folder}: {model.n_layers} layers, {model.n_heads} heads, {model.n_kv_heads} KV heads, FFN width "
+            f"{model.ffn_hidden_dim}, vocabulary {vocab if vocab > 0 else n_words}; tokenizer: {n_words} tokens; "
+            f"TP={tp}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", default=os.path.join(os.path.dirname(__file__), "..", "model-config.yaml"))
+    ap.add_argument("--base", default=os.path.join(ROOT, "model-config.yaml"))
     ap.add_argument("--out", required=True)
     ap.add_argument("--tp", type=int)
     ap.add_argument("--threads", type=int, help="CPU threads per rank")
     ap.add_argument("--checkpoint", help="a Meta or Hugging Face folder served in place (not copied)")
     ap.add_argument("--tokenizer")
+    ap.add_argument("--weights", help="the folder build_mar.py packs into the archive as weights/ (to check it)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="any other setting, e.g. handler.max_seq_len=4096 (repeatable)")
     ap.add_argument("--device", choices=["cpu", "gpu", "auto"], default="auto")
     a = ap.parse_args()
     device = a.device
     if device == "auto":
-        warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch runs without it
-        import torch
         device = "gpu" if torch.cuda.is_available() else "cpu"
     with open(a.base) as f:
         config = configure(yaml.safe_load(f), a.tp, a.checkpoint, a.tokenizer, device, threads=a.threads)
+    try:
+        for assignment in a.set:
+            set_key(config, assignment)
+        print(check(config, a.weights))
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        sys.exit(f"cannot serve: {e}")
+    except KeyError as e:
+        sys.exit(f"cannot serve: a setting the checkpoint or config needs is missing: {e}")
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         yaml.safe_dump(config, f, sort_keys=False)

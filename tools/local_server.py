@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import psutil
 import requests
@@ -47,27 +48,36 @@ def port_free(port: int) -> bool:
 
 
 class Server:
-    def __init__(self, workdir: str, weights: str, tp: int = 2, batch_size: int = 4, handler: dict | None = None,
-                 model_config: dict | None = None):
-        self.workdir = workdir
+    """A private TorchServe's folder: free ports in its own config.properties, its own pid
+    file ($TMPDIR) and key file. build() then start(), or make_serve(), start it."""
+
+    def __init__(self, workdir: str, tp: int = 2, env: dict | None = None):
+        self.workdir, self.tp = workdir, tp
         self.tmp = os.path.join(workdir, "tmp")  # TorchServe's pid file goes to $TMPDIR
         os.makedirs(self.tmp, exist_ok=True)
+        self.extra_env = env or {}  # for the frontend and the workers it starts
         self.ports = {k: free_port() for k in ("inference", "management", "metrics", "grpc", "grpc_management")}
         self.worker_port = free_port_range(tp + 1)
-        with open(os.path.join(ROOT, "model-config.yaml")) as f:
-            config = configure.configure(yaml.safe_load(f), tp=tp, device="cpu", rdzv_port=free_port(),
-                                         batch_size=batch_size, handler=handler)
-        config.update(model_config or {})
-        self.config = config
-        config_path = os.path.join(workdir, "model-config.yaml")
-        with open(config_path, "w") as f:
-            yaml.safe_dump(config, f)
-        self.model_store = os.path.join(workdir, "model_store")
-        build_mar.build_mar(config_path, self.model_store, weights)
         self.url = f"http://127.0.0.1:{self.ports['inference']}"
         self.grpc_target = f"127.0.0.1:{self.ports['grpc']}"
         self.metrics_url = f"http://127.0.0.1:{self.ports['metrics']}/metrics"
         self.write_properties()
+
+    def build(self, weights: str, batch_size: int = 4, handler: dict | None = None,
+              model_config: dict | None = None) -> "Server":
+        """This folder's model-config.yaml and llama.mar (weights: a checkpoint folder packed
+        into the archive, or None when handler.checkpoint is absolute)."""
+        with open(os.path.join(ROOT, "model-config.yaml")) as f:
+            config = configure.configure(yaml.safe_load(f), tp=self.tp, device="cpu", rdzv_port=free_port(),
+                                         batch_size=batch_size, handler=handler)
+        config.update(model_config or {})
+        self.config = config
+        config_path = os.path.join(self.workdir, "model-config.yaml")
+        with open(config_path, "w") as f:
+            yaml.safe_dump(config, f)
+        self.model_store = os.path.join(self.workdir, "model_store")
+        build_mar.build_mar(config_path, self.model_store, weights)
+        return self
 
     def write_properties(self):
         with open(os.path.join(ROOT, "config.properties")) as f:
@@ -86,15 +96,30 @@ class Server:
 
     @property
     def env(self) -> dict:
-        return dict(os.environ, TMPDIR=self.tmp, PATH=BIN + os.pathsep + os.environ["PATH"])
+        return dict(os.environ, TMPDIR=self.tmp, PATH=BIN + os.pathsep + os.environ["PATH"]) | self.extra_env
 
     def start(self, timeout: float = 300):
         with open(os.path.join(self.workdir, "torchserve.out"), "w") as out:
             subprocess.run([os.path.join(BIN, "torchserve"), "--start", "--ncs", "--ts-config", "config.properties",
                             "--model-store", self.model_store, "--models", "llama=llama.mar"],
                            cwd=self.workdir, env=self.env, stdout=out, stderr=subprocess.STDOUT, check=True)
-        self.key = wait_ready.wait(self.url, os.path.join(self.workdir, "key_file.json"), timeout)
+        self.key = wait_ready.wait(self.url, os.path.join(self.workdir, "key_file.json"), timeout,
+                                   os.path.join(self.workdir, "logs"))
         return self
+
+    def make_serve(self, *variables: str, settings: tuple = (), timeout: float = 600) -> tuple[int, str, float]:
+        """(exit status, output, seconds) of `make serve` run here: RUN, TS_CONFIG and TMPDIR
+        are this folder's and the ranks meet on a free port. variables: more NAME=VALUE for
+        make; settings: more KEY=VALUE for model-config.yaml (make's SET)."""
+        settings = ("deviceType=cpu", f"torchrun.rdzv-endpoint=127.0.0.1:{free_port()}", *settings)
+        cmd = ["make", "--no-print-directory", "-C", ROOT, "serve", f"RUN={self.workdir}", f"TP={self.tp}",
+               f"TS_CONFIG={os.path.join(self.workdir, 'config.properties')}", f"SET={' '.join(settings)}",
+               *variables]
+        start = time.perf_counter()
+        done = subprocess.run(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=timeout)
+        self.key = wait_ready.inference_key(os.path.join(self.workdir, "key_file.json"))
+        return done.returncode, done.stdout, time.perf_counter() - start
 
     def stop(self):
         java = self.frontend()
@@ -148,13 +173,14 @@ class Server:
         return [json.loads(line) for line in r.iter_lines() if line]
 
 
-def start_server(workdir, weights, **kwargs) -> Server:
-    server = Server(str(workdir), weights, **kwargs)
+def start_server(workdir, weights, tp: int = 2, env: dict | None = None, **build) -> Server:
+    server = Server(str(workdir), tp, env)
     try:
-        return server.start()
+        return server.build(weights, **build).start()
     except BaseException:
-        print(open(os.path.join(server.workdir, "torchserve.out")).read()[-3000:])
-        if os.path.exists(os.path.join(server.workdir, "logs")):
+        if os.path.exists(os.path.join(server.workdir, "torchserve.out")):
+            print(open(os.path.join(server.workdir, "torchserve.out")).read()[-3000:])
+        if os.path.exists(os.path.join(server.workdir, "logs", "model_log.log")):
             print(server.log()[-5000:])
         server.stop()
         shutil.rmtree(server.tmp, ignore_errors=True)

@@ -1,0 +1,381 @@
+"""Starting a server as users do, with `make serve` (on private ports, in a folder of its own):
+what cannot load is refused in seconds with one line naming the problem, before TorchServe
+starts (tools/configure.py) or, for what only loading finds, as soon as a worker fails
+(tools/wait_ready.py), leaving no TorchServe behind; loading shows each rank's stages; and the
+configuration keys do what README.md says, left out or set."""
+
+import json
+import os
+import re
+import shutil
+import time
+import zipfile
+
+import psutil
+import pytest
+import sentencepiece
+import torch
+import yaml
+from safetensors.torch import save_file
+
+import configure
+import wait_ready
+from conftest import DEMO, ROOT
+from local_server import Server, free_port
+from tokenizer import Tokenizer
+
+DEMO_VOCAB = 4096  # demo/params.json
+
+
+def base_config() -> dict:
+    with open(os.path.join(ROOT, "model-config.yaml")) as f:
+        return yaml.safe_load(f)
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(tmp_path_factory) -> str:
+    """A 300-token sentencepiece model trained here on README.md: another vocabulary."""
+    out = tmp_path_factory.mktemp("tokenizer")
+    with open(os.path.join(ROOT, "README.md")) as f:
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(out / "small"),
+                                             vocab_size=300, minloglevel=2)
+    path = str(out / "small.model")
+    assert Tokenizer(path).n_words == 300
+    return path
+
+
+def meta_folder(path, tokenizer: str = os.path.join(DEMO, "tokenizer.model"), shards: tuple = (0,),
+                **params) -> str:
+    """A Meta-layout folder with these params and empty (but whole) consolidated.NN.pth files."""
+    os.makedirs(path)
+    params = {"dim": 256, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4, "vocab_size": DEMO_VOCAB,
+              "multiple_of": 256, "norm_eps": 1e-5} | params
+    with open(os.path.join(path, "params.json"), "w") as f:
+        json.dump(params, f)
+    for i in shards:
+        torch.save({}, os.path.join(path, f"consolidated.{i:02d}.pth"))
+    shutil.copy(tokenizer, os.path.join(path, "tokenizer.model"))
+    return str(path)
+
+
+def hf_folder(path, **config) -> str:
+    """A Hugging Face-layout folder with this config.json and one small safetensors file."""
+    os.makedirs(path)
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8,
+              "num_key_value_heads": 8, "intermediate_size": 128, "vocab_size": DEMO_VOCAB,
+              "max_position_embeddings": 2048} | config
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file({"model.norm.weight": torch.ones(64)}, os.path.join(path, "model.safetensors"))
+    shutil.copy(os.path.join(DEMO, "tokenizer.model"), os.path.join(path, "tokenizer.model"))
+    return str(path)
+
+
+def truncate(path: str):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def demo_copy(path, truncated: bool = False) -> str:
+    shutil.copytree(DEMO, path)
+    if truncated:
+        truncate(os.path.join(path, "consolidated.00.pth"))
+    return str(path)
+
+
+def refusal(config: dict, weights: str | None = None) -> str:
+    with pytest.raises(ValueError) as e:
+        configure.check(config, weights)
+    return str(e.value)
+
+
+# --- 1. refused before TorchServe starts: configure.check, in this process ----------------------
+
+def test_check_passes_what_loads(tmp_path):
+    assert configure.check(configure.configure(base_config(), tp=2, device="cpu"), DEMO).startswith("checked")
+    assert configure.check(configure.configure(base_config(), tp=8, device="cpu"), DEMO)  # 4 KV heads shared
+    padded = hf_folder(tmp_path / "padded", vocab_size=DEMO_VOCAB + 64)  # padding rows, as some HF models have
+    assert configure.check(configure.configure(base_config(), tp=8, checkpoint=padded, device="cpu"))
+
+
+def test_check_refuses_missing_and_unknown_folders(tmp_path):
+    missing = str(tmp_path / "nowhere")
+    message = refusal(configure.configure(base_config(), checkpoint=missing, device="cpu"))
+    assert message == f"checkpoint folder not found: {missing}"
+    os.makedirs(tmp_path / "empty")
+    message = refusal(configure.configure(base_config(), checkpoint=str(tmp_path / "empty"), device="cpu"))
+    assert "neither params.json" in message and str(tmp_path / "empty") in message
+    gap = meta_folder(tmp_path / "gap", shards=(0, 2))
+    message = refusal(configure.configure(base_config(), checkpoint=gap, device="cpu"))
+    assert f"missing shard {gap}/consolidated.01.pth" in message
+
+
+def test_check_refuses_a_missing_tokenizer(tmp_path):
+    folder = meta_folder(tmp_path / "ckpt")
+    os.remove(os.path.join(folder, "tokenizer.model"))
+    message = refusal(configure.configure(base_config(), checkpoint=folder, device="cpu"))
+    assert f"tokenizer not found: {folder}/tokenizer.model" in message
+
+
+@pytest.mark.parametrize("params, tp, words", [
+    ({"dim": 256, "n_heads": 8, "n_kv_heads": 4}, 3, ["TP=3", "8 heads", "n_heads 8 cannot be split over 3"]),
+    ({"dim": 768, "n_heads": 12, "n_kv_heads": 6}, 4, ["TP=4", "6 KV heads", "n_kv_heads 6 cannot be split over 4"]),
+    ({"dim": 768, "n_heads": 12, "n_kv_heads": 4}, 6, ["TP=6", "4 KV heads", "6 ranks cannot share 4 KV heads"]),
+], ids=["heads", "kv-heads", "kv-heads-shared"])
+def test_check_refuses_a_tp_that_does_not_divide_the_heads(tmp_path, params, tp, words):
+    folder = meta_folder(tmp_path / "ckpt", **params)
+    message = refusal(configure.configure(base_config(), tp=tp, checkpoint=folder, device="cpu"))
+    assert all(w in message for w in words), message
+
+
+def test_check_refuses_a_tp_that_does_not_divide_the_ffn(tmp_path):
+    folder = hf_folder(tmp_path / "ckpt", intermediate_size=100)
+    message = refusal(configure.configure(base_config(), tp=8, checkpoint=folder, device="cpu"))
+    assert "TP=8" in message and "FFN width 100 cannot be split over 8 ranks" in message
+
+
+def test_check_refuses_a_context_beyond_the_models_positions(tmp_path):
+    folder = hf_folder(tmp_path / "ckpt", max_position_embeddings=256)
+    config = configure.configure(base_config(), checkpoint=folder, device="cpu", handler={"max_seq_len": 257})
+    assert "handler.max_seq_len 257 is beyond the 256 positions" in refusal(config)
+    config["handler"]["max_seq_len"] = 256
+    assert configure.check(config)
+
+
+@pytest.mark.parametrize("layout", ["meta", "hf"])
+def test_check_refuses_a_truncated_weights_file(tmp_path, layout):
+    if layout == "meta":
+        folder, path = demo_copy(tmp_path / "ckpt"), str(tmp_path / "ckpt" / "consolidated.00.pth")
+    else:
+        folder = hf_folder(tmp_path / "ckpt")
+        path = os.path.join(folder, "model.safetensors")
+    config = configure.configure(base_config(), checkpoint=folder, device="cpu")
+    assert configure.check(config)  # whole, it passes
+    truncate(path)
+    message = refusal(config)
+    assert path in message and "truncated" in message
+
+
+def test_check_refuses_a_tokenizer_of_another_vocabulary(tmp_path, small_tokenizer):
+    config = configure.configure(base_config(), checkpoint=DEMO, tokenizer=small_tokenizer, device="cpu")
+    message = refusal(config)
+    assert "300 tokens" in message and f"{DEMO_VOCAB}" in message and small_tokenizer in message
+    smaller_model = meta_folder(tmp_path / "ckpt", vocab_size=1000)  # the demo tokenizer has 4096
+    message = refusal(configure.configure(base_config(), checkpoint=smaller_model, device="cpu"))
+    assert f"{DEMO_VOCAB} tokens" in message and "1000" in message
+
+
+# --- 2. `make serve` on private ports: refusals, a worker that fails, progress ---------------------
+
+def no_torchserve_left(server: Server) -> bool:
+    """Neither the frontend nor any process started for this folder is running (waits 10 s)."""
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        left = [p for p in psutil.process_iter(["cmdline"]) if any(server.workdir in part for part in
+                                                                     (p.info["cmdline"] or []))]
+        if server.frontend() is None and not left:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+@pytest.mark.parametrize("case", ["missing folder", "TP=3", "truncated weights", "tokenizer of another vocabulary"])
+def test_make_serve_refuses_in_seconds(tmp_path, small_tokenizer, case):
+    server = Server(str(tmp_path / "ts"), tp=3 if case == "TP=3" else 2)
+    if case == "missing folder":
+        missing = f"{tmp_path}/does-not-exist"
+        variables, words = [f"CKPT={missing}"], [f"checkpoint folder not found: {missing}"]
+    elif case == "TP=3":
+        variables, words = [], ["TP=3", "8 heads", "cannot be split over 3 ranks"]
+    elif case == "truncated weights":
+        folder = demo_copy(tmp_path / "ckpt", truncated=True)
+        variables, words = [f"CKPT={folder}"], [f"{folder}/consolidated.00.pth is truncated"]
+    else:
+        folder = demo_copy(tmp_path / "ckpt")
+        variables, words = [f"CKPT={folder}", f"TOKENIZER={small_tokenizer}"], ["300 tokens", f"{DEMO_VOCAB}"]
+    try:
+        status, output, seconds = server.make_serve(*variables, timeout=120)
+        assert status != 0 and seconds < 60, (status, seconds, output[-2000:])
+        refusal = [line for line in output.splitlines() if line.startswith("cannot serve: ")]
+        assert refusal and all(w in refusal[0] for w in words), output[-2000:]
+        assert not os.path.exists(os.path.join(server.workdir, "logs")), "TorchServe was started"
+        assert no_torchserve_left(server)
+    finally:
+        server.stop()  # should there be one
+
+
+def test_make_serve_stops_a_worker_that_fails_to_load(tmp_path):
+    """A tensor of the wrong shape passes the checks (they read no weights): TorchServe starts,
+    both ranks fail to load, and `make serve` says where and stops TorchServe, which would
+    otherwise retry the worker until startupTimeout (600 s)."""
+    folder = demo_copy(tmp_path / "ckpt")
+    path = os.path.join(folder, "consolidated.00.pth")
+    tensors = torch.load(path, weights_only=True)
+    tensors["layers.3.attention.wk.weight"] = tensors["layers.3.attention.wk.weight"][:-8].clone()
+    torch.save(tensors, path)
+    server = Server(str(tmp_path / "ts"), tp=2)
+    status, output, seconds = server.make_serve(f"CKPT={folder}", timeout=180)
+    try:
+        assert status != 0 and seconds < 60, (status, seconds, output[-3000:])
+        assert re.search(rf"rank [01]/2: CheckpointError: tensor layers\.3\.attention\.wk\.weight in {re.escape(path)} "
+                         r"has shape \(120, 256\)", output), output[-3000:]
+        assert "the traceback ends:" in output and "TorchServe has stopped." in output
+        assert no_torchserve_left(server)
+    finally:
+        server.stop()
+
+
+def stamp(seconds: float) -> str:
+    """log4j's timestamp for a time.time(), as TorchServe's logs have it."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(seconds)) + ",000"
+
+
+@pytest.mark.parametrize("ending", ["worker failed", "frontend stopped"])
+def test_wait_reads_progress_and_failure_from_the_logs(tmp_path, ending):
+    """wait_ready on logs written here (no server: nothing answers the URL), which begin with
+    an earlier run's failure: each stage of this run goes to show, and the end of loading in
+    this run's lines ends the wait within seconds."""
+    started = time.time() - 30
+    before = f"{stamp(started - 600)} [INFO ] W-1-stdout MODEL_LOG - "
+    now = f"{stamp(started)} [INFO ] W-2-stdout MODEL_LOG - "
+    model_log = [before + "loading rank=0/2: failed; error=OSError: an earlier run's"]
+    model_log += [now + f"loading rank={r}/2: weights loaded; bytes=9445888 seconds=0.04 dtype=float32" for r in (0, 1)]
+    ts_log = [f"{stamp(started - 600)} [WARN ] W-1 BatchAggregator - Load model failed: llama, error: Worker died."]
+    if ending == "worker failed":
+        model_log += [now + line for line in [
+            "loading rank=1/2: failed; error=CheckpointError: tensor x in /c/consolidated.00.pth is bad",
+            "Traceback (most recent call last):", '  File "/m/checkpoint.py", line 168, in tensor',
+            "    raise CheckpointError(message)",
+            "checkpoint.CheckpointError: tensor x in /c/consolidated.00.pth is bad", "Backend worker process died."]]
+        ts_log.append(f"{stamp(started + 1)} [WARN ] W-2 BatchAggregator - Load model failed: llama, error: "
+                      "Worker died.")
+    else:
+        ts_log.append(f"{stamp(started + 1)} [INFO ] main org.pytorch.serve.ModelServer - Torchserve stopped.")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "model_log.log").write_text("\n".join(model_log) + "\n")
+    (logs / "ts_log.log").write_text("\n".join(ts_log) + "\n")
+    shown = []
+    start = time.monotonic()
+    with pytest.raises(wait_ready.LoadFailed) as e:
+        wait_ready.wait(f"http://127.0.0.1:{free_port()}", str(tmp_path / "key_file.json"), 60, str(logs),
+                        lambda status, event: shown.append((status, event)), since=int(started))
+    assert time.monotonic() - start < 5
+    assert shown[:2] == [(f"loading: 0 s, 0/2 ranks ready, {gb} GB read",
+                          f"rank {r}/2: weights loaded (9.4 MB, 0.04 s, dtype float32)")
+                         for r, gb in ((0, "0.01"), (1, "0.02"))]
+    assert "earlier run" not in str(e.value)
+    if ending == "worker failed":
+        assert "rank 1/2: CheckpointError: tensor x in /c/consolidated.00.pth is bad" in str(e.value)
+        assert str(e.value).endswith('raise CheckpointError(message)\n    checkpoint.CheckpointError: tensor x '
+                                     'in /c/consolidated.00.pth is bad')
+    else:
+        assert "TorchServe stopped while the model was loading" in str(e.value)
+
+
+# one server started by `make serve` for the configuration keys: a checkpoint outside the archive,
+# bfloat16 on CPU, request defaults of its own
+DEFAULTS = {"max_new_tokens": 6, "temperature": 1.3, "top_p": 0.5, "top_k": 7}
+STOCK = {"max_new_tokens": 64, "temperature": 0.6, "top_p": 0.9, "top_k": 0}  # model-config.yaml's
+
+
+@pytest.fixture(scope="module")
+def configured(tmp_path_factory):
+    outside = demo_copy(tmp_path_factory.mktemp("models") / "demo-copy")
+    server = Server(str(tmp_path_factory.mktemp("configured")), tp=2)
+    settings = ["batchSize=2", "handler.max_seq_len=256", "handler.dtype=bfloat16"]
+    settings += [f"handler.defaults.{k}={v}" for k, v in DEFAULTS.items()]
+    try:
+        status, output, seconds = server.make_serve(f"CKPT={outside}", settings=tuple(settings), timeout=400)
+        assert status == 0, output[-3000:]
+        yield server, output, outside
+    finally:
+        server.stop()
+
+
+def test_make_serve_shows_each_rank_loading(configured):
+    _, output, _ = configured
+    seen = set(re.findall(r"rank (\d)/2: (reading checkpoint|weights loaded|kv cache allocated|not compiled|ready)",
+                          output))
+    stages = ["reading checkpoint", "weights loaded", "kv cache allocated", "not compiled", "ready"]
+    assert seen == {(rank, stage) for rank in "01" for stage in stages}, output[-3000:]
+    assert re.search(r"loading: \d+ s, 2/2 ranks ready, 0\.0\d GB read", output), output[-3000:]
+
+
+def test_checkpoint_is_served_in_place(configured):
+    server, output, outside = configured
+    with zipfile.ZipFile(os.path.join(server.workdir, "model_store", "llama.mar")) as mar:
+        names = mar.namelist()
+    assert "handler.py" in names and not [n for n in names if n.endswith((".pth", ".model", "params.json"))]
+    assert len(re.findall(rf"rank [01]/2: reading checkpoint \(path {re.escape(outside)}\)", output)) == 2
+    assert server.generate({"prompt": "Once upon a time", "max_new_tokens": 3})["usage"]["completion_tokens"] >= 1
+
+
+def test_dtype_bfloat16_on_cpu(configured, demo_llama):
+    """Loaded in bfloat16 (each rank says so), and scores as a rounded copy of the model does:
+    near it in float32 and in bfloat16 in this process, but measurably off the float32 values
+    (at TP=2, bfloat16's partial sums round differently from TP=1's)."""
+    from llama2 import tp_llama
+
+    server, output, _ = configured
+    assert len(re.findall(r"rank [01]/2: weights loaded \([^)]*dtype bfloat16\)", output)) == 2
+    prompt = "The secret of a happy life is to be found in small things"
+    served = server.generate({"prompt": prompt, "max_new_tokens": 1, "temperature": 0, "logprobs": True,
+                              "echo": True})["logprobs"][1:-1]
+    bf16 = tp_llama(None, DEMO, os.path.join(DEMO, "tokenizer.model"), 1, dtype=torch.bfloat16, max_batch_size=1,
+                    max_seq_len=64)
+    in_bf16 = bf16.text_completion([prompt], 1, temperature=0, logprobs=True, echo=True)[0]["logprobs"][1:-1]
+    in_fp32 = demo_llama.text_completion([prompt], 1, temperature=0, logprobs=True, echo=True)[0]["logprobs"][1:-1]
+    # float32 serving gives the in-process float32 values to ~1e-5 (test_server.py allows 1e-3)
+    assert max(abs(a - b) for a, b in zip(served, in_fp32)) > 2e-3
+    assert max(abs(a - b) for a, b in zip(served, in_fp32)) < 0.1  # the same model, rounded
+    assert max(abs(a - b) for a, b in zip(served, in_bf16)) < 0.1
+
+
+def test_request_defaults_come_from_the_config(configured):
+    """A request that names no option gets handler.defaults, each of them: naming one at
+    model-config.yaml's stock value instead changes the answer."""
+    server, _, _ = configured
+    body = {"prompt": "Once upon a time", "seed": 11}
+    answer = server.generate(body)
+    assert answer["usage"]["completion_tokens"] == DEFAULTS["max_new_tokens"] or answer["finish_reason"] == "stop"
+    assert server.generate(body | DEFAULTS) == answer
+    for key, stock in STOCK.items():
+        assert server.generate(body | DEFAULTS | {key: stock}) != answer, key
+
+
+# --- 3. the handler's defaults for keys a config leaves out, as README.md states them -------------
+
+def readme_config_table() -> dict[str, str]:
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return dict(re.findall(r"^\| `handler\.(\w+)` \| ([^|]*?) \|", f.read(), re.M))
+
+
+def test_readme_and_model_config_state_the_handlers_defaults():
+    import handler
+
+    table = readme_config_table()
+    shipped = base_config()["handler"]
+    for key, value in handler.SETTINGS.items():
+        assert table[key].strip("`") == (str(value).lower() if isinstance(value, bool) else str(value)), key
+        assert shipped[key] == value, key
+
+
+def test_a_config_without_handler_keys_gets_the_defaults(tmp_path, monkeypatch):
+    """The handler loads <archive>/weights with a 512-token context when model-config.yaml
+    says nothing (TorchServe's context, faked: one rank, in this process)."""
+    import handler
+
+    monkeypatch.setenv("TS_DECODE_INPUT_REQUEST", "true")  # restored: initialize sets it
+    os.symlink(os.path.abspath(DEMO), tmp_path / "weights")
+
+    class Context:
+        model_yaml_config = {"continuousBatching": True}
+        system_properties = {"model_dir": str(tmp_path), "batch_size": 2}
+
+    h = handler.LlamaHandler()
+    h.initialize(Context())
+    assert h.max_seq_len == 512 and h.engine.model.params.max_seq_len == 512
+    assert h.engine.model.tok_embeddings.weight.dtype == torch.float32  # dtype auto on CPU
+    assert h.engine.model.compiled_decode is None
