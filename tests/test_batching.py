@@ -142,7 +142,7 @@ def test_a_failure_in_a_decode_step_costs_that_step_only(server, demo_llama):
                for body in (LONG | {"max_new_tokens": 150}, LONG | {"max_new_tokens": 150}, bad)]
     for lines in streams:
         next(lines)  # three of the four slots decoding, bad among them
-    failed_steps = server.log().count("decode step failed")
+    failed_steps = server.log().count("engine step failed")
     waiting = {"prompt": ["The sea", "A cat", "My dog"], "max_new_tokens": 8, "temperature": 0}
     waited = server.post(waiting)  # waits in the handler for three slots, which the failure frees
     for lines in streams:  # begun, so a 200 whose last line is the error
@@ -151,9 +151,9 @@ def test_a_failure_in_a_decode_step_costs_that_step_only(server, demo_llama):
     assert waited.status_code == 200, waited.text
     assert waited.json() == demo_llama.text_completion(waiting["prompt"], 8, temperature=0)
     deadline = time.time() + 10  # each rank logs the failure once (the log reaches the file a little later)
-    while server.log().count("decode step failed") < failed_steps + 2 and time.time() < deadline:
+    while server.log().count("engine step failed") < failed_steps + 2 and time.time() < deadline:
         time.sleep(0.2)
-    assert server.log().count("decode step failed") == failed_steps + 2
+    assert server.log().count("engine step failed") == failed_steps + 2
     assert slots_in_use(server) == 0
     assert server.worker_pids() == server.initial_pids
 

@@ -115,7 +115,7 @@ def test_check_refuses_a_missing_tokenizer(tmp_path):
     folder = meta_folder(tmp_path / "ckpt")
     os.remove(os.path.join(folder, "tokenizer.model"))
     message = refusal(configure.configure(base_config(), checkpoint=folder, device="cpu"))
-    assert f"tokenizer not found: {folder}/tokenizer.model" in message
+    assert f"no tokenizer.json or tokenizer.model in {folder}" in message
 
 
 @pytest.mark.parametrize("params, tp, words", [
