@@ -136,6 +136,7 @@ class LlamaHandler(BaseHandler):
         """Serve with engine, nothing in flight yet."""
         self.engine, self.tokenizer = engine, engine.tokenizer
         self.steps_per_iteration = steps_per_iteration
+        self.steps, self.engine_ms = 0, 0.0  # of the last iteration
         self.jobs: dict[str, Job] = {}  # by TorchServe request id
 
     # --- one iteration: preprocess -> inference -> postprocess (BaseHandler.handle) -------
@@ -173,7 +174,9 @@ class LlamaHandler(BaseHandler):
             if self.test_faults:
                 self.inject_fault("decode", [j.request.inputs for j in self.jobs.values()
                                              if any(not s.done and len(s.tokens) >= FAULT_AFTER for s in j.seqs)])
-            self.engine.run(self.steps_per_iteration)
+            begin = time.perf_counter()
+            self.steps = self.engine.run(self.steps_per_iteration)
+            self.engine_ms = (time.perf_counter() - begin) * 1000
         except Exception as e:
             logger.exception("engine step failed")
             self.exit_if_a_rank_is_gone()
@@ -330,8 +333,10 @@ class LlamaHandler(BaseHandler):
         for name, value in (("KVBlocksInUse", pool.num_used), ("KVBlocksTotal", pool.num_blocks),
                             ("SequencesRunning", len(engine.scheduler.running)),
                             ("SequencesWaiting", len(engine.scheduler.waiting)),
-                            ("PrefixCacheHitRate", pool.hits / pool.queries if pool.queries else 0.0)):
+                            ("PrefixCacheHitRate", pool.hits / pool.queries if pool.queries else 0.0),
+                            ("EngineSteps", self.steps)):
             metrics.add_metric(name, value, "count", metric_type=MetricTypes.GAUGE)
+        metrics.add_metric("EngineTime", self.engine_ms, "ms", metric_type=MetricTypes.GAUGE)
 
     def record_metrics(self, job: Job):
         """Token counts and latencies of a finished request, as TorchServe custom metrics

@@ -292,7 +292,7 @@ def iterations(server, begin: float, end: float) -> dict:
     how many iterations, and the mean backend response time (the frontend's wait for rank 0's
     reply) and handler time (BaseHandler.handle, both ranks) in ms. TorchServe writes each
     line twice; set() keeps one."""
-    loops, backend, handler = 0, [], []
+    loops, backend, handler, engine, steps = 0, [], [], [], []
     for line in set(server.log("ts_log.log").splitlines()):
         m = LOG_TIME.match(line)
         if not m:
@@ -306,8 +306,16 @@ def iterations(server, begin: float, end: float) -> dict:
             backend.append(float(m2[1]))
         elif m2 := re.search(r"\[METRICS\]HandlerTime\.Milliseconds:([\d.]+)", line):
             handler.append(float(m2[1]))
-    return {"iterations": loops, "backend_ms": float(np.mean(backend)) if backend else float("nan"),
-            "handler_ms": float(np.mean(handler)) if handler else float("nan")}
+        elif m2 := re.search(r"\[METRICS\]EngineTime\.\w+:([\d.]+)", line):
+            engine.append(float(m2[1]))
+        elif m2 := re.search(r"\[METRICS\]EngineSteps\.\w+:([\d.]+)", line):
+            steps.append(float(m2[1]))
+
+    def mean(values):
+        return float(np.mean(values)) if values else float("nan")
+
+    return {"iterations": loops, "backend_ms": mean(backend), "handler_ms": mean(handler), "engine_ms": mean(engine),
+            "steps": mean(steps)}
 
 
 # --- one server: idle requests, then the load -----------------------------------------------
@@ -570,6 +578,11 @@ def main():
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8080")
     where.add_argument("--compare", action="store_true", help="start private servers, batchSize 8 against 1")
+    where.add_argument("--engine", action="store_true", help="the serving engine's workloads (bench/engine_workloads.py)")
+    ap.add_argument("--baseline", default="f51d891", help="--engine: the commit to compare with")
+    ap.add_argument("--parts", nargs="+", default=["today", "shared", "memory", "long", "sweep", "single"],
+                    help="--engine: which workloads")
+    ap.add_argument("--long-budget", type=int, default=None, help="--engine: max_batched_tokens for the long prompt")
     ap.add_argument("--key", help="the inference key")
     ap.add_argument("--key-file", help="TorchServe's key_file.json")
     ap.add_argument("--model", default="llama")
@@ -598,6 +611,13 @@ def main():
     if a.idle_requests is None:
         a.idle_requests = 16 if a.compare else 0
 
+    if a.engine:
+        import engine_workloads
+
+        if a.idle_requests is None or a.idle_requests == 0:
+            a.idle_requests = 16
+        engine_workloads.main(a, sys.argv[1:])
+        return
     prompts = make_prompts(a.num_requests, *a.prompt_tokens, a.tokenizer, a.seed)
     bodies = request_bodies(prompts, a.max_new_tokens, a.temperature)
     if a.compare:

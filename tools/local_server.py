@@ -64,13 +64,13 @@ class Server:
         self.write_properties()
 
     def build(self, weights: str, batch_size: int = 4, handler: dict | None = None,
-              model_config: dict | None = None, root: str = ROOT) -> "Server":
+              model_config: dict | None = None, root: str = ROOT, threads: int | None = None) -> "Server":
         """This folder's model-config.yaml and llama.mar (weights: a checkpoint folder packed
         into the archive, or None when handler.checkpoint is absolute), from the handler and
         model-config.yaml of root (another checkout: a benchmark's baseline)."""
         with open(os.path.join(root, "model-config.yaml")) as f:
             config = configure.configure(yaml.safe_load(f), tp=self.tp, device="cpu", rdzv_port=free_port(),
-                                         batch_size=batch_size, handler=handler)
+                                         batch_size=batch_size, handler=handler, threads=threads)
         config.update(model_config or {})
         self.config = config
         config_path = os.path.join(self.workdir, "model-config.yaml")
