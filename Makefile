@@ -3,6 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 TP ?= 2
 THREADS ?=
+QUANT ?=
 CKPT ?=
 TOKENIZER ?=
 MODEL_FILES := $(wildcard *.py)
@@ -31,7 +32,7 @@ demo-model: .venv/.test
 	$(PY) tools/train_demo.py --out demo
 
 build/model-config.yaml: model-config.yaml tools/configure.py .venv/.runtime FORCE
-	$(PY) tools/configure.py --out $@.new --tp $(TP) $(if $(THREADS),--threads $(THREADS)) $(if $(CKPT),--checkpoint $(CKPT)) $(if $(TOKENIZER),--tokenizer $(TOKENIZER))
+	$(PY) tools/configure.py --out $@.new --tp $(TP) $(if $(THREADS),--threads $(THREADS)) $(if $(QUANT),--quant $(QUANT)) $(if $(CKPT),--checkpoint $(CKPT)) $(if $(TOKENIZER),--tokenizer $(TOKENIZER))
 	@cmp -s $@.new $@ && rm $@.new || mv $@.new $@
 FORCE:
 

@@ -24,6 +24,7 @@ from ts.torch_handler.base_handler import BaseHandler
 import api
 import chat_format
 import openai_api
+import quant
 from api import Defaults, Job, Limits, RequestError
 from engine import Engine
 from llama2 import tp_llama
@@ -53,6 +54,7 @@ class LlamaHandler(BaseHandler):
         kv_cache_bytes = int(settings.pop("kv_cache_bytes", 0))
         max_batched_tokens = int(settings.pop("max_batched_tokens", 512))
         prefix_caching = settings.pop("prefix_caching", True)
+        quantization = settings.pop("quantization", "none")
         self.limits = api.dataclass_from(Limits, settings.pop("limits", None), "handler.limits")
         self.defaults = api.dataclass_from(Defaults, settings.pop("defaults", None), "handler.defaults")
         if settings:
@@ -62,12 +64,15 @@ class LlamaHandler(BaseHandler):
                 raise ValueError(f"handler.{name} must be true or false, got {value!r}")
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"handler.dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+        if quantization not in ("none", *quant.MODES):
+            raise ValueError(f"handler.quantization must be none, {' or '.join(quant.MODES)}, got {quantization!r}")
 
         slots = int(ctx.system_properties.get("batch_size") or 1)  # batchSize: sequences decoded together
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         start = time.perf_counter()
         llama = tp_llama(None, checkpoint, tokenizer, world_size, dtype=DTYPES.get(dtype),
-                         max_batch_size=slots, max_seq_len=self.max_seq_len, kv_cache_bytes=kv_cache_bytes)
+                         max_batch_size=slots, max_seq_len=self.max_seq_len, kv_cache_bytes=kv_cache_bytes,
+                         quantization=None if quantization == "none" else quantization)
         logger.info("loaded %s on %d rank(s) in %.1f s: %s", checkpoint, world_size,
                     time.perf_counter() - start, llama.model.params)
         logger.info("tokenizer %s (%s), chat format %s", llama.tokenizer.path, type(llama.tokenizer).__name__,

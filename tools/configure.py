@@ -42,6 +42,7 @@ def main():
     ap.add_argument("--checkpoint", help="a Meta or Hugging Face folder served in place (not copied)")
     ap.add_argument("--tokenizer")
     ap.add_argument("--device", choices=["cpu", "gpu", "auto"], default="auto")
+    ap.add_argument("--quant", choices=["none", "int8", "int4"], help="handler.quantization")
     a = ap.parse_args()
     device = a.device
     if device == "auto":
@@ -49,7 +50,8 @@ def main():
         import torch
         device = "gpu" if torch.cuda.is_available() else "cpu"
     with open(a.base) as f:
-        config = configure(yaml.safe_load(f), a.tp, a.checkpoint, a.tokenizer, device, threads=a.threads)
+        config = configure(yaml.safe_load(f), a.tp, a.checkpoint, a.tokenizer, device, threads=a.threads,
+                           handler={"quantization": a.quant} if a.quant else None)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         yaml.safe_dump(config, f, sort_keys=False)
