@@ -18,15 +18,16 @@ def decode(model) -> list[torch.Tensor]:
     the engine when sequences leave and join), some rows behind the others; rows 3.. sit
     steps out and resume later, so padding rows must not have touched their caches. Row 0
     crosses the first KV-length bucket (64)."""
+    device = model.tok_embeddings.weight.device  # bench/gpu_check.py runs this on a GPU
     prompt = torch.randint(3, model.vocab_size, (MAX_BATCH, PROMPT), generator=torch.Generator().manual_seed(0))
-    outs = [model(prompt, 0)[:, -1:]]
+    outs = [model(prompt.to(device), 0)[:, -1:]]
     lengths = [PROMPT - (i % 3) for i in range(MAX_BATCH)]
     for step in range(56):
         n = (1, 3, 8, 5, 2, 8, 4)[step % 7]
         tokens = torch.tensor([[(7 * step + i) % (model.vocab_size - 3) + 3] for i in range(n)])
         positions = lengths[:n]
         same = len(set(positions)) == 1
-        outs.append(model(tokens, positions[0] if same and step % 2 else positions))
+        outs.append(model(tokens.to(device), positions[0] if same and step % 2 else positions))
         for i in range(n):
             lengths[i] += 1
     return outs
