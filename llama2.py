@@ -373,12 +373,12 @@ class Transformer(nn.Module):
         self.compiled_decode = torch.compile(self.run_layers, dynamic=True, **options)
         if cuda_graphs:
             self.decode_buckets = (buckets(self.params.max_batch_size, 1), buckets(self.row_blocks, 4))
+            nothing = Batch(tokens=[], positions=[], slots=[])
             for width in self.decode_buckets[1]:
                 position = min(width * self.block_size, self.params.max_seq_len) - 1
                 for rows in self.decode_buckets[0]:  # rows of padding only: the scratch block gets junk
-                    batch = Batch(tokens=[], positions=[], slots=[], n_decode=0, decode_blocks=[])
                     for _ in range(3):  # cudagraph trees: a warm-up run, the capture, a replay
-                        self.bucketed_decode(batch, rows, [position] * rows)
+                        self.bucketed_decode(nothing, rows, width, position)
             return
         rows = min(2, self.params.max_batch_size)
         length = min(self.block_size + 2, self.params.max_seq_len - 1)
@@ -432,17 +432,19 @@ class Transformer(nn.Module):
         run = self.compiled_decode if self.compiled_decode is not None and not batch.chunks else self.run_layers
         return run(self.tok_embeddings(tokens).unsqueeze(0), self.freqs_cis[positions], attend, logits_at)
 
-    def bucketed_decode(self, batch: Batch, rows: int | None = None, padding_positions: list[int] | None = None):
+    @torch.inference_mode()
+    def bucketed_decode(self, batch: Batch, rows: int | None = None, width: int | None = None,
+                        padding_position: int = 0):
         """A decode-only batch in the fixed shapes of a CUDA graph: the rows padded up to the
-        next rows bucket (or to rows), each block table padded to the next blocks bucket
-        (block 0, masked off), logits for every row, logits_at picked afterwards. A padding
-        row reads and writes only the scratch block (at padding_positions, default 0)."""
+        next rows bucket, each block table padded (block 0, masked off) to the next blocks
+        bucket (or to rows and width blocks), logits for every row, logits_at picked
+        afterwards. A padding row reads and writes only the scratch block."""
         n, size = batch.n_decode, self.block_size
         rows = rows or next(b for b in self.decode_buckets[0] if b >= n)
-        width = next(w for w in self.decode_buckets[1] if w >= max(map(len, batch.decode_blocks), default=1))
+        width = width or next(w for w in self.decode_buckets[1] if w >= max(map(len, batch.decode_blocks)))
         pad, scratch = rows - n, self.scratch_block
         tables = [b + [0] * (width - len(b)) for b in batch.decode_blocks] + [[scratch] * width] * pad
-        padded = Batch(tokens=batch.tokens + [0] * pad, positions=batch.positions + (padding_positions or [0] * pad),
+        padded = Batch(tokens=batch.tokens + [0] * pad, positions=batch.positions + [padding_position] * pad,
                        slots=batch.slots + [scratch * size] * pad, n_decode=rows, decode_blocks=tables)
         device = self.tok_embeddings.weight.device
         tokens = torch.tensor(padded.tokens, device=device)
@@ -450,7 +452,8 @@ class Transformer(nn.Module):
         attend = self.attend(padded, positions)
         torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs may be overwritten now
         logits = self.compiled_decode(self.tok_embeddings(tokens).unsqueeze(0), self.freqs_cis[positions], attend, None)
-        wanted = torch.tensor(list(range(n) if batch.logits_at is None else batch.logits_at), device=device)
+        wanted = torch.tensor(list(range(n) if batch.logits_at is None else batch.logits_at), dtype=torch.long,
+                              device=device)
         return logits[wanted]  # a copy: the graph's output buffer is overwritten by its next replay
 
     def attend(self, batch: Batch, positions: torch.Tensor) -> Attend:

@@ -1,7 +1,7 @@
 """Transformer.compile_decode(cuda_graphs=True) on CPU: the bucketed decode steps that CUDA
-graphs replay on a GPU (rows padded to a batch bucket, attention over a KV-length bucket,
-positions as a tensor) give the eager logits, never recompile once compile_decode returns,
-and leave the cache rows outside the batch as they were. No GPU here: the capture itself is
+graphs replay on a GPU (rows padded to a rows bucket with rows that touch only a scratch
+block, block tables padded to a blocks bucket) give the eager logits, never recompile once
+compile_decode returns, and leave the cache rows outside the batch as they were. No GPU here: the capture itself is
 checked by bench/gpu_check.sh (part graphs)."""
 
 import torch
@@ -17,7 +17,7 @@ def decode(model) -> list[torch.Tensor]:
     """A prefill of every row, then steps in which the first n rows go on (n varies, as in
     the engine when sequences leave and join), some rows behind the others; rows 3.. sit
     steps out and resume later, so padding rows must not have touched their caches. Row 0
-    crosses the first KV-length bucket (64)."""
+    crosses the first blocks bucket (4 blocks of 16 tokens)."""
     device = model.tok_embeddings.weight.device  # bench/gpu_check.py runs this on a GPU
     prompt = torch.randint(3, model.vocab_size, (MAX_BATCH, PROMPT), generator=torch.Generator().manual_seed(0))
     outs = [model(prompt.to(device), 0)[:, -1:]]
@@ -38,7 +38,7 @@ def test_bucketed_graph_steps_equal_eager(checkpoints):
                             max_seq_len=MAX_SEQ_LEN).model
     eager = decode(model)
     model.compile_decode(cuda_graphs=True)
-    assert model.decode_buckets == ([1, 2, 4, 8], [64, 80])
+    assert model.decode_buckets == ([1, 2, 4, 8], [4, 5])  # rows; blocks of 16 tokens
     with torch._dynamo.config.patch(error_on_recompile=True):
         graphs = decode(model)
     for i, (a, b) in enumerate(zip(eager, graphs)):
