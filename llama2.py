@@ -357,8 +357,9 @@ class Transformer(nn.Module):
         so that a GPU step costs its weights' bytes rather than hundreds of kernel launches.
         A graph has fixed shapes and addresses: decode steps run padded (bucketed_decode), one
         graph per (rows bucket, blocks bucket), all captured here, and the caches stay where
-        they are, with one more block for padding rows to write. Off CUDA the same padded
-        steps run compiled, without graphs (the CPU dry run)."""
+        they are, with one more block for padding rows to write (they are allocated again
+        here: call it before serving). Off CUDA the same padded steps run compiled, without
+        graphs (the CPU dry run)."""
         if cuda_graphs:  # the caches again, with a scratch block that the pool never hands out
             self.scratch_block = self.num_blocks
             weight = self.tok_embeddings.weight

@@ -34,11 +34,12 @@ def int8_quantize(w: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tens
     The scales are rounded to bf16 before q is computed, so that q fits the scale the kernel
     uses. group: the ranks that hold the other parts of each row (a row-parallel shard): the
     scales then come from the whole rows, as without tensor parallelism."""
-    absmax = w.float().abs().amax(dim=1)
+    lo, hi = w.aminmax(dim=1)  # no full-size temporary: the loader's peak is one layer plus q
+    absmax = torch.maximum(-lo, hi).float()
     if group is not None:
         dist.all_reduce(absmax, op=dist.ReduceOp.MAX, group=group)
     scales = torch.where(absmax > 0, absmax / 127, 1.0).to(torch.bfloat16)
-    q = (w.float() / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+    q = torch.div(w, scales.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
     return q, scales
 
 
@@ -47,11 +48,11 @@ def int4_quantize(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     w ≈ (q - 8) * scale + zero in each group of group_size input channels (tinygemm's layout:
     the zero is a float, the group's midpoint). Scales and zeros are rounded to bf16 first."""
     out_features, in_features = w.shape
-    g = w.float().view(out_features, in_features // group_size, group_size)
-    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    g = w.view(out_features, in_features // group_size, group_size)
+    lo, hi = (t.float() for t in g.aminmax(dim=-1))
     scales = ((hi - lo) / 15).clamp(min=1e-6).to(torch.bfloat16)
     zeros = (lo + 8 * scales.float()).to(torch.bfloat16)
-    q = ((g - zeros.float()[..., None]) / scales.float()[..., None] + 8).round().clamp(0, 15)
+    q = torch.sub(g, zeros.float()[..., None]).div_(scales.float()[..., None]).add_(8).round_().clamp_(0, 15)
     scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
     return q.to(torch.int32).view(out_features, in_features), scales_and_zeros
 

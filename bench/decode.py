@@ -237,22 +237,21 @@ def section(info: str, bw: dict, cold: tuple, results: dict, tp: dict, elapsed: 
     lines += ["", "Quantization targets: at batch 1 on the 110M model, int8 ≥ 1.6× ours in fp32 (eager) and ≥ 2× "
               "transformers; at batch 8, int8 no slower than fp32. Ratios of this run (tokens/s):", ""]
     for name, r in results.items():
-        rows = r["rows"]
+        speed = {b: {k: v["tokens_s"] for k, v in r["rows"][b].items() if isinstance(v, dict)} for b in BATCHES}
         for variant, title, quantization, compiled in VARIANTS:
             if quantization:
                 fp32 = "compiled" if compiled else "eager"
-                lines.append(
-                    f"- {name}, {title}: batch 1 {rows[1][variant]['tokens_s'] / rows[1][fp32]['tokens_s']:.2f}× "
-                    f"ours in fp32 ({fp32}) and {rows[1][variant]['tokens_s'] / rows[1]['transformers']['tokens_s']:.2f}× "
-                    f"transformers; batch 8 {rows[8][variant]['tokens_s'] / rows[8][fp32]['tokens_s']:.2f}× ours in "
-                    f"fp32 ({fp32}).")
+                lines.append(f"- {name}, {title}: batch 1 {speed[1][variant] / speed[1][fp32]:.2f}× ours in fp32 "
+                             f"({fp32}) and {speed[1][variant] / speed[1]['transformers']:.2f}× transformers; batch 8 "
+                             f"{speed[8][variant] / speed[8][fp32]:.2f}× ours in fp32 ({fp32}).")
     lines += ["", "Where the time goes:", ""]
     for name, r in results.items():
         one, eight = r["rows"][1], r["rows"][8]
         m1, m8 = one["matmul_ms"], eight["matmul_ms"]
         lines.append(
             f"- {name}: the matrix products of a step alone (F.linear on every weight, MKL) take {m1:.2f} ms at "
-            f"batch 1 ({r['step_bytes'][None] / m1 / 1e6:.1f} GB/s; the eager step takes {one['eager']['step_ms']:.2f} ms, "
+            f"batch 1 ({r['step_bytes'][None] / m1 / 1e6:.1f} GB/s; the eager step takes "
+            f"{one['eager']['step_ms']:.2f} ms, "
             f"the compiled one {one['compiled']['step_ms']:.2f} ms) and {m8:.2f} ms at batch 8: MKL's products "
             f"with 8 rows run at {m1 / m8 * 100:.0f}% of the bytes/s of the 1-row ones, so even a step of nothing "
             f"but products would give batch 8 only {8 * m1 / m8:.1f}× batch 1's tokens/s.")
