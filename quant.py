@@ -154,7 +154,8 @@ def quantize(model: nn.Module, mode: str, group_size: int = INT4_GROUP_SIZE, fil
     check(model, mode, group_size)
     chosen = projections(model, mode)
     tied = model.output.weight is model.tok_embeddings.weight
-    for name, module in list(model.named_modules()):
+    for name in [name for name, _ in model.named_modules()]:  # names: a replaced module must be freed
+        module = model.get_submodule(name)
         if fill is not None and any(True for _ in module.parameters(recurse=False)):
             if tied and module is model.output:
                 continue  # the embedding's weight: tie_weights() shares it again afterwards
