@@ -300,7 +300,10 @@ def quantized_summary(rows: list[tuple[str, int, dict]]) -> list[str]:
             f" (target: at most {30 if q == 'int8' else 20}%); its private memory after loading (RssAnon after "
             f"malloc_trim − before, the KV cache included) {pct('trimmed', True)}, and its peak private memory "
             f"while loading {pct('peak_anon', True)} of fp32's: tp_llama reads and quantizes one projection at a "
-            "time, so the peak is the quantized model plus one projection in fp32 and the reader's temporaries.")
+            "time, so the peak is the quantized model plus one projection in fp32 and the temporaries of reading "
+            "and quantizing it, and what glibc keeps of freed temporaries (int4 makes an int32 copy of each "
+            "projection before packing it). The embedding, kept in fp32 on every rank, is a larger part of a "
+            "rank's weights at TP=2.")
     return text
 
 
