@@ -215,8 +215,9 @@ def copy_bandwidth(device) -> float:
 
 def speed(dry: bool, quantization: str) -> bool:
     device = device_for(dry)
+    reps, steps = (1, 8) if dry else (3, 64)  # the dry run checks the script, not the speed
     if dry:
-        args = llama2.ModelArgs(dim=256, n_layers=4, n_heads=8, vocab_size=2048, max_batch_size=8, max_seq_len=128)
+        args = llama2.ModelArgs(dim=256, n_layers=2, n_heads=8, vocab_size=2048, max_batch_size=8, max_seq_len=128)
     else:  # Llama-2-7B's shapes, 8 of its 32 layers: 1.9B parameters, 3.8 GB in bf16
         args = llama2.ModelArgs(dim=4096, n_layers=8, n_heads=32, vocab_size=32000, multiple_of=256,
                                 max_batch_size=8, max_seq_len=128)
@@ -236,8 +237,8 @@ def speed(dry: bool, quantization: str) -> bool:
             print(f"compile_decode({'cuda_graphs=True' if mode == 'graphs' else ''}): "
                   f"{time.perf_counter() - start:.0f} s")
         for batch in (1, 8):
-            tps = generate_tokens_per_s(model, NullTokenizer, batch, 3)
-            step = step_ms(model, batch)
+            tps = generate_tokens_per_s(model, NullTokenizer, batch, reps)
+            step = step_ms(model, batch, steps=steps)
             roof = batch * HBM_BYTES_PER_S / weight_bytes
             print(f"{quantization} {mode} batch {batch}: generate {tps:,.0f} tokens/s, decode step {step:.2f} ms "
                   f"({batch * 1e3 / step:,.0f} tokens/s); roofline {roof:,.0f} tokens/s: generate at "

@@ -42,9 +42,9 @@ fi
 "$PY" -c 'import sys, torch; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.cuda.is_available()}")'
 
 declare -A RESULT
-# The dry run compiles the same graphs with inductor's C++ backend on a few CPU cores: 4 times the time.
+# The dry run compiles the same graphs with inductor's C++ backend on a few CPU cores: 6 times the time.
 SCALE=1
-if [ -n "$DRY" ]; then SCALE=4; fi
+if [ -n "$DRY" ]; then SCALE=6; fi
 part() {  # part NAME SECONDS ARGS...: run one part, keep its log and its last word
   local name=$1 limit=$(($2 * SCALE))
   shift 2
