@@ -3,6 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 TP ?= 2
 THREADS ?=
+QUANT ?=
 CKPT ?=
 TOKENIZER ?=
 # more model-config.yaml settings, space-separated KEY=VALUE: SET="handler.max_seq_len=4096 batchSize=4"
@@ -41,7 +42,7 @@ demo-model: .venv/.test
 	$(PY) tools/train_demo.py --out demo
 
 $(BUILD)/model-config.yaml: model-config.yaml tools/configure.py .venv/.runtime FORCE
-	$(PY) tools/configure.py --out $@.new --tp $(TP) $(if $(THREADS),--threads $(THREADS)) \
+	$(PY) tools/configure.py --out $@.new --tp $(TP) $(if $(THREADS),--threads $(THREADS)) $(if $(QUANT),--quant $(QUANT)) \
 	  $(if $(CKPT),--checkpoint $(CKPT),--weights demo) $(if $(TOKENIZER),--tokenizer $(TOKENIZER)) \
 	  $(foreach s,$(SET),--set $(s))
 	@cmp -s $@.new $@ && rm $@.new || mv $@.new $@

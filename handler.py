@@ -24,6 +24,7 @@ from ts.torch_handler.base_handler import BaseHandler
 import api
 import chat_format
 import openai_api
+import quant
 from api import Defaults, Job, Limits, RequestError
 from engine import Engine
 from llama2 import tp_llama
@@ -41,7 +42,7 @@ JSON = "application/json"
 # What a model-config.yaml that leaves a handler key out gets (README: Configuration). The
 # tokenizer defaults to <checkpoint>/tokenizer.model; limits and defaults to api's dataclasses.
 SETTINGS = {"checkpoint": "weights", "max_seq_len": 512, "dtype": "auto", "compile": False, "kv_cache_bytes": 0,
-            "max_batched_tokens": 512, "steps_per_iteration": 4, "prefix_caching": True}
+            "max_batched_tokens": 512, "steps_per_iteration": 4, "prefix_caching": True, "quantization": "none"}
 # Tests only: with LLAMA_TEST_FAULTS=1 in the workers' environment, a request whose prompt holds
 # FAULT.format(where) raises there, so that a test can show what a bug costs: in preprocess,
 # or in a decode step once it has FAULT_AFTER tokens (time for the test to queue others).
@@ -81,6 +82,7 @@ class LlamaHandler(BaseHandler):
         max_batched_tokens = int(settings.pop("max_batched_tokens"))
         steps_per_iteration = int(settings.pop("steps_per_iteration"))
         prefix_caching = settings.pop("prefix_caching")
+        quantization = settings.pop("quantization")
         self.limits = api.dataclass_from(Limits, settings.pop("limits", None), "handler.limits")
         self.defaults = api.dataclass_from(Defaults, settings.pop("defaults", None), "handler.defaults")
         if settings:
@@ -90,12 +92,14 @@ class LlamaHandler(BaseHandler):
                 raise ValueError(f"handler.{name} must be true or false, got {value!r}")
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"handler.dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+        if quantization not in ("none", *quant.MODES):
+            raise ValueError(f"handler.quantization must be none, {' or '.join(quant.MODES)}, got {quantization!r}")
 
         slots = int(ctx.system_properties.get("batch_size") or 1)  # batchSize: sequences decoded together
         start = time.perf_counter()
         llama = tp_llama(None, checkpoint, tokenizer, self.world_size, dtype=DTYPES.get(dtype),
                          max_batch_size=slots, max_seq_len=self.max_seq_len, kv_cache_bytes=kv_cache_bytes,
-                         progress=self.progress)
+                         progress=self.progress, quantization=None if quantization == "none" else quantization)
         logger.info("loaded %s on %d rank(s) in %.1f s: %s", checkpoint, self.world_size,
                     time.perf_counter() - start, llama.model.params)
         logger.info("tokenizer %s (%s), chat format %s", llama.tokenizer.path, type(llama.tokenizer).__name__,

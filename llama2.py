@@ -13,6 +13,7 @@ from torch import nn
 
 import checkpoint
 import generate
+import quant
 from tokenizer import Tokenizer
 
 
@@ -309,6 +310,7 @@ class Transformer(nn.Module):
         self.output_group = None  # set when the vocabulary is split: logits are all-gathered
         self.freqs_cis: torch.Tensor | None = None
         self.compiled_decode = None  # set by compile_decode
+        self.decode_buckets: tuple[list[int], list[int]] | None = None  # compile_decode(cuda_graphs=True)
         self.block_size = KV_BLOCK_SIZE
         self.tie_weights()
 
@@ -345,16 +347,41 @@ class Transformer(nn.Module):
         return (2 * self.n_layers * attn.n_local_kv_heads * self.block_size * attn.head_dim
                 * self.tok_embeddings.weight.element_size())
 
-    def compile_decode(self, **options):
+    def compile_decode(self, cuda_graphs: bool = False, **options):
         """torch.compile the decode step (one token for each of several sequences), which
         removes most of the per-operation overhead, and compile it now rather than in the
         first requests. Shapes are dynamic, so that growing block tables do not recompile;
         one row and several rows, one block and several, compile a graph each. Meant for one
-        model per process: torch.compile's recompile limit (8) counts every model's graphs."""
+        model per process: torch.compile's recompile limit (8) counts every model's graphs.
+
+        cuda_graphs: also replay each decode step from a CUDA graph (mode "reduce-overhead"),
+        so that a GPU step costs its weights' bytes rather than hundreds of kernel launches.
+        A graph has fixed shapes and addresses: decode steps run padded (bucketed_decode), one
+        graph per (rows bucket, blocks bucket), all captured here, and the caches stay where
+        they are, with one more block for padding rows to write (they are allocated again
+        here: call it before serving). Off CUDA the same padded steps run compiled, without
+        graphs (the CPU dry run)."""
+        if cuda_graphs:  # the caches again, with a scratch block that the pool never hands out
+            self.scratch_block = self.num_blocks
+            weight = self.tok_embeddings.weight
+            for layer in self.layers:
+                layer.attention.setup_cache(self.num_blocks + 1, self.block_size, weight.dtype, weight.device)
+            options.setdefault("mode", "reduce-overhead")
         for layer in self.layers:  # only the activations' sizes vary, not the caches'
-            torch._dynamo.mark_static(layer.attention.cache_k)
-            torch._dynamo.mark_static(layer.attention.cache_v)
+            for cache in (layer.attention.cache_k, layer.attention.cache_v):
+                torch._dynamo.mark_static(cache)
+                if cuda_graphs:  # written in place by the graphs: an input copied in would be lost
+                    torch._dynamo.mark_static_address(cache)
         self.compiled_decode = torch.compile(self.run_layers, dynamic=True, **options)
+        if cuda_graphs:
+            self.decode_buckets = (buckets(self.params.max_batch_size, 1), buckets(self.row_blocks, 4))
+            nothing = Batch(tokens=[], positions=[], slots=[])
+            for width in self.decode_buckets[1]:
+                position = min(width * self.block_size, self.params.max_seq_len) - 1
+                for rows in self.decode_buckets[0]:  # rows of padding only: the scratch block gets junk
+                    for _ in range(3):  # cudagraph trees: a warm-up run, the capture, a replay
+                        self.bucketed_decode(nothing, rows, width, position)
+            return
         rows = min(2, self.params.max_batch_size)
         length = min(self.block_size + 2, self.params.max_seq_len - 1)
         tokens = torch.zeros(rows, length, dtype=torch.long, device=self.tok_embeddings.weight.device)
@@ -396,6 +423,8 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward_batch(self, batch: Batch) -> torch.Tensor:
         """Logits (len(logits_at), vocab) of one pass over the sequences of batch."""
+        if self.decode_buckets is not None and not batch.chunks and batch.n_decode <= self.decode_buckets[0][-1]:
+            return self.bucketed_decode(batch)
         device = self.tok_embeddings.weight.device
         tokens = torch.tensor(batch.tokens, device=device)
         positions = torch.tensor(batch.positions, device=device)
@@ -404,6 +433,30 @@ class Transformer(nn.Module):
         # the freqs are gathered outside the graph: a view's offset would recompile at each position
         run = self.compiled_decode if self.compiled_decode is not None and not batch.chunks else self.run_layers
         return run(self.tok_embeddings(tokens).unsqueeze(0), self.freqs_cis[positions], attend, logits_at)
+
+    @torch.inference_mode()
+    def bucketed_decode(self, batch: Batch, rows: int | None = None, width: int | None = None,
+                        padding_position: int = 0):
+        """A decode-only batch in the fixed shapes of a CUDA graph: the rows padded up to the
+        next rows bucket, each block table padded (block 0, masked off) to the next blocks
+        bucket (or to rows and width blocks), logits for every row, logits_at picked
+        afterwards. A padding row reads and writes only the scratch block."""
+        n, size = batch.n_decode, self.block_size
+        rows = rows or next(b for b in self.decode_buckets[0] if b >= n)
+        width = width or next(w for w in self.decode_buckets[1] if w >= max(map(len, batch.decode_blocks)))
+        pad, scratch = rows - n, self.scratch_block
+        tables = [b + [0] * (width - len(b)) for b in batch.decode_blocks] + [[scratch] * width] * pad
+        padded = Batch(tokens=batch.tokens + [0] * pad, positions=batch.positions + [padding_position] * pad,
+                       slots=batch.slots + [scratch * size] * pad, n_decode=rows, decode_blocks=tables)
+        device = self.tok_embeddings.weight.device
+        tokens = torch.tensor(padded.tokens, device=device)
+        positions = torch.tensor(padded.positions, device=device)
+        attend = self.attend(padded, positions)
+        torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs may be overwritten now
+        logits = self.compiled_decode(self.tok_embeddings(tokens).unsqueeze(0), self.freqs_cis[positions], attend, None)
+        wanted = torch.tensor(list(range(n) if batch.logits_at is None else batch.logits_at), dtype=torch.long,
+                              device=device)
+        return logits[wanted]  # a copy: the graph's output buffer is overwritten by its next replay
 
     def attend(self, batch: Batch, positions: torch.Tensor) -> Attend:
         """The tensors every layer's attention needs, with the additive masks made once:
@@ -437,6 +490,14 @@ class Transformer(nn.Module):
         if self.output_group is not None:
             logits = gather_last_dim(logits, self.output_group)
         return logits
+
+
+def buckets(limit: int, first: int) -> list[int]:
+    """Powers of two from first up to limit, and limit itself: the sizes graphs are captured for."""
+    sizes = [first]
+    while sizes[-1] * 2 < limit:
+        sizes.append(sizes[-1] * 2)
+    return [n for n in sizes if n < limit] + [limit]
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -541,12 +602,13 @@ def init_distributed(world_size: int) -> torch.device:
 
 def tp_llama(model_args, checkpoint_path, tokenizer_path, world_size, dtype: torch.dtype | None = None,
              max_batch_size: int | None = None, max_seq_len: int | None = None, kv_cache_bytes: int = 0,
-             progress=None):
+             progress=None, quantization: str | None = None):
     """Build a Llama sharded over world_size ranks from a Meta or Hugging Face checkpoint
     folder. Each rank reads only its own slices of the (memory-mapped) checkpoint.
     max_batch_size and max_seq_len, when given, size the KV cache instead of model_args;
     kv_cache_bytes, when given, is the KV cache's size on each rank instead. progress, if
-    given, is called as progress(stage, **figures) at each stage of loading."""
+    given, is called as progress(stage, **figures) at each stage of loading. quantization:
+    None, "int8" or "int4" (quant.py): each rank quantizes its shard as it loads it."""
     report = progress or (lambda stage, **figures: None)
     device = init_distributed(world_size)
     rank, _ = tp_world()
@@ -563,12 +625,21 @@ def tp_llama(model_args, checkpoint_path, tokenizer_path, world_size, dtype: tor
     with torch.device("meta"):
         model = Transformer(args)
     parallelize_llama_attn_block(model, world_size)
-    model = model.to(dtype).to_empty(device=device)
-    model.tie_weights()
+    model = model.to(dtype)
     start = time.perf_counter()
-    read = reader.load_into(model, weight_plan(model, rank, world_size),
-                            progress=lambda read: report("reading checkpoint", bytes=read))
-    report("weights loaded", bytes=read, seconds=round(time.perf_counter() - start, 2),
+    plan = weight_plan(model, rank, world_size)
+
+    def on_read(read: int):
+        report("reading checkpoint", bytes=read)
+
+    if quantization:
+        read = quant.load_quantized(model, reader, plan, device, quantization, progress=on_read)
+    else:
+        model = model.to_empty(device=device)
+        model.tie_weights()
+        read = reader.load_into(model, plan, progress=on_read)
+    quantized = {"quantization": quantization} if quantization else {}
+    report("weights loaded", bytes=read, seconds=round(time.perf_counter() - start, 2), **quantized,
            dtype=str(dtype).removeprefix("torch."))
     model.eval().requires_grad_(False)
     model.setup_caches(max_batch_size, max_seq_len, kv_cache_bytes // model.kv_block_bytes() or None)

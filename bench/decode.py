@@ -7,7 +7,9 @@
    the same weights (KV cache on, do_sample=False, min_new_tokens=64), and against the
    roofline: bytes of weights read per step / memory bandwidth, the bandwidth measured
    here by copying a 1 GiB tensor. Both must produce the same greedy tokens (a warning
-   says when they do not).
+   says when they do not). The same with the weights quantized to int8 and int4
+   (tp_llama(quantization=...), quant.py), whose roofline counts their quantized bytes;
+   the quantization targets are printed as ratios measured in the same run.
 2. Under torchrun (gloo, bench/tp_decode.py): TP=1 and TP=2 with 1 or 2 threads per rank
    (OMP_NUM_THREADS, which TorchServe sets from model-config.yaml), the time of a step's
    collectives, and, at TP=2, our plain sharding against torch's DTensor.
@@ -35,6 +37,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import generate  # noqa: E402
 import llama2  # noqa: E402
 import make_checkpoint  # noqa: E402
+import quant  # noqa: E402
 import report  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 from tp_decode import (BATCHES, NEW, PROMPT_LEN, NoEos, generate_tokens_per_s, median_time, prompts,  # noqa: E402
@@ -107,14 +110,14 @@ def same_greedy(ours: list[list[int]], theirs: list[list[int]], eos: int) -> str
 
 
 def in_process(name: str, hf, folder: str, reps: int) -> dict:
-    """Rows of the main table: transformers, ours eager, ours with compile_decode."""
-    llama = llama2.tp_llama(None, folder, TOKENIZER, 1, max_batch_size=max(BATCHES), max_seq_len=PROMPT_LEN + NEW)
-    model, tokenizer = llama.model, NoEos(llama.tokenizer)
+    """Rows of the main table: transformers, then ours in each VARIANTS, on the same weights."""
+    def load(quantization):
+        return llama2.tp_llama(None, folder, TOKENIZER, 1, max_batch_size=max(BATCHES), max_seq_len=PROMPT_LEN + NEW,
+                               quantization=quantization)
 
-    def ours(batch_prompts):
-        return generate.generate(model, batch_prompts, NEW, temperature=0.0, tokenizer=tokenizer)[0]
-
-    result = {"params": sum(p.numel() for p in model.parameters()), "step_bytes": step_bytes(model),
+    llama = load(None)
+    model = llama.model
+    result = {"params": sum(p.numel() for p in model.parameters()), "step_bytes": {}, "compile_s": {},
               "rows": {b: {} for b in BATCHES}}
     reference = {}
     for batch in BATCHES:
@@ -124,19 +127,26 @@ def in_process(name: str, hf, folder: str, reps: int) -> dict:
         result["rows"][batch]["transformers"] = {"tokens_s": batch * NEW / t}
     for batch in BATCHES:
         result["rows"][batch]["matmul_ms"] = matmul_ms(model, batch)
-    for variant in ("eager", "compiled"):
-        if variant == "compiled":
+    for variant, _, quantization, compiled in VARIANTS:
+        if quantization is not None and not compiled:  # each quantization's eager variant comes first
+            model = load(quantization).model
+        result["step_bytes"][quantization] = step_bytes(model)
+        if compiled:
+            torch._dynamo.reset()  # compile_decode is meant for one model per process
             start = time.perf_counter()
             model.compile_decode()  # compiles its three graphs before it returns
-            result["compile_s"] = time.perf_counter() - start
+            result["compile_s"][quantization] = time.perf_counter() - start
+        tokenizer = NoEos(llama.tokenizer)
         for batch in BATCHES:
             p = prompts(batch, model.vocab_size)
-            same = same_greedy(ours(p), reference[batch], llama.tokenizer.eos_id)
-            if same == "no":
+            same = same_greedy(generate.generate(model, p, NEW, temperature=0.0, tokenizer=tokenizer)[0],
+                               reference[batch], llama.tokenizer.eos_id)
+            if same == "no" and quantization is None:
                 print(f"WARNING: {name} batch {batch} {variant}: our greedy tokens differ from transformers'",
                       file=sys.stderr)
             result["rows"][batch][variant] = {
-                "tokens_s": generate_tokens_per_s(model, tokenizer, batch, reps), "same_tokens": same, "step_ms": step_ms(model, batch),
+                "tokens_s": generate_tokens_per_s(model, tokenizer, batch, reps), "same_tokens": same,
+                "step_ms": step_ms(model, batch),
                 "staggered_ms": step_ms(model, batch, staggered=True) if batch > 1 else None}
     print(f"{name}: {result}", file=sys.stderr)
     return result
@@ -161,7 +171,10 @@ def fmt(x: float, digits: int = 0) -> str:
     return f"{x:,.{digits}f}"
 
 
-VARIANTS = (("eager", "ours"), ("compiled", "ours, compile_decode()"))
+# (key, title, quantization, compile_decode)
+VARIANTS = (("eager", "ours", None, False), ("compiled", "ours, compile_decode()", None, True),
+            ("int8", "ours, int8", "int8", False), ("int8_compiled", "ours, int8, compile_decode()", "int8", True),
+            ("int4", "ours, int4", "int4", False), ("int4_compiled", "ours, int4, compile_decode()", "int4", True))
 
 
 def section(info: str, bw: dict, cold: tuple, results: dict, tp: dict, elapsed: float) -> str:
@@ -186,21 +199,27 @@ def section(info: str, bw: dict, cold: tuple, results: dict, tp: dict, elapsed: 
         "*step* is one Transformer.forward of one token per row (median over positions 32–95); *staggered*: "
         "row i is i positions behind row 0, as sequences that started at different times are (a mask, and "
         "indexed writes to the KV cache). Greedy tokens are compared with transformers' up to the first EOS "
-        "that ours picks (min_new_tokens forbids it to transformers).",
+        "that ours picks (min_new_tokens forbids it to transformers). *int8*, *int4*: the same checkpoint "
+        "quantized at load (tp_llama(quantization=...), quant.py: int8 per output channel, int4 in groups of "
+        f"{quant.INT4_GROUP_SIZE}, the output projection in int8 in both); their roofline counts their quantized "
+        "bytes (MB/step), and their greedy tokens may part from transformers' fp32 ones.",
         "",
         "| model | batch | implementation | tokens/s | × transformers | of the roofline | step (ms) | "
         "staggered step (ms) | same greedy tokens |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
-        roof = bw[threads] * 1e9 / r["step_bytes"]
-        label = f"{name} ({r['step_bytes'] / 1e6:.0f} MB/step)"
+        label = f"{name} ({r['step_bytes'][None] / 1e6:.0f} MB/step)"
         for batch, row in r["rows"].items():
             hf = row["transformers"]["tokens_s"]
+            roof = bw[threads] * 1e9 / r["step_bytes"][None]
             lines.append(f"| {label} | {batch} | transformers | {fmt(hf)} | 1 | {100 * hf / (batch * roof):.0f}% "
                          "| | | |")
-            for variant, title in VARIANTS:
+            for variant, title, quantization, _ in VARIANTS:
                 v = row[variant]
+                roof = bw[threads] * 1e9 / r["step_bytes"][quantization]
+                if quantization:
+                    title += f" ({r['step_bytes'][quantization] / 1e6:.0f} MB/step)"
                 staggered = "" if v["staggered_ms"] is None else f"{v['staggered_ms']:.2f}"
                 same = v["same_tokens"] if v["same_tokens"] != "no" else "**no**"
                 lines.append(f"| {label} | {batch} | {title} | **{fmt(v['tokens_s'])}** | "
@@ -209,19 +228,30 @@ def section(info: str, bw: dict, cold: tuple, results: dict, tp: dict, elapsed: 
     lines += ["", "Targets: at batch 1 on the 26M model, ≥ 2× transformers and ≥ 60% of the roofline; at batch 8, "
               "≥ 5× batch 1's tokens/s.", ""]
     for name, r in results.items():
-        roof = bw[threads] * 1e9 / r["step_bytes"]
-        for variant, title in VARIANTS:
+        for variant, title, quantization, _ in VARIANTS:
+            roof = bw[threads] * 1e9 / r["step_bytes"][quantization]
             one, eight = r["rows"][1][variant]["tokens_s"], r["rows"][8][variant]["tokens_s"]
             lines.append(f"- {name}, {title}: {one / r['rows'][1]['transformers']['tokens_s']:.2f}× transformers "
                          f"and {100 * one / roof:.0f}% of the roofline at batch 1; batch 8 gives {eight / one:.1f}× "
                          "batch 1's tokens/s.")
+    lines += ["", "Quantization targets: at batch 1 on the 110M model, int8 ≥ 1.6× ours in fp32 (eager) and ≥ 2× "
+              "transformers; at batch 8, int8 no slower than fp32. Ratios of this run (tokens/s):", ""]
+    for name, r in results.items():
+        speed = {b: {k: v["tokens_s"] for k, v in r["rows"][b].items() if isinstance(v, dict)} for b in BATCHES}
+        for variant, title, quantization, compiled in VARIANTS:
+            if quantization:
+                fp32 = "compiled" if compiled else "eager"
+                lines.append(f"- {name}, {title}: batch 1 {speed[1][variant] / speed[1][fp32]:.2f}× ours in fp32 "
+                             f"({fp32}) and {speed[1][variant] / speed[1]['transformers']:.2f}× transformers; batch 8 "
+                             f"{speed[8][variant] / speed[8][fp32]:.2f}× ours in fp32 ({fp32}).")
     lines += ["", "Where the time goes:", ""]
     for name, r in results.items():
         one, eight = r["rows"][1], r["rows"][8]
         m1, m8 = one["matmul_ms"], eight["matmul_ms"]
         lines.append(
             f"- {name}: the matrix products of a step alone (F.linear on every weight, MKL) take {m1:.2f} ms at "
-            f"batch 1 ({r['step_bytes'] / m1 / 1e6:.1f} GB/s; the eager step takes {one['eager']['step_ms']:.2f} ms, "
+            f"batch 1 ({r['step_bytes'][None] / m1 / 1e6:.1f} GB/s; the eager step takes "
+            f"{one['eager']['step_ms']:.2f} ms, "
             f"the compiled one {one['compiled']['step_ms']:.2f} ms) and {m8:.2f} ms at batch 8: MKL's products "
             f"with 8 rows run at {m1 / m8 * 100:.0f}% of the bytes/s of the 1-row ones, so even a step of nothing "
             f"but products would give batch 8 only {8 * m1 / m8:.1f}× batch 1's tokens/s.")
@@ -231,7 +261,7 @@ def section(info: str, bw: dict, cold: tuple, results: dict, tp: dict, elapsed: 
         f"stream through the caches between them evict the interpreter's and the operators' own data: a multiply "
         f"of 512 floats takes {cold[0]:.1f} µs with warm caches and {cold[1]:.1f} µs right after a 5.6 MB matrix "
         f"product. compile_decode() fuses them into a few kernels per layer; compiling "
-        + ", ".join(f"{name} took {r['compile_s']:.0f} s" for name, r in results.items())
+        + ", ".join(f"{name} took {r['compile_s'][None]:.0f} s" for name, r in results.items())
         + " (three graphs: one row, several rows at one position, rows at different positions; dynamic "
           "shapes, so the growing KV length does not recompile).")
     if tp:

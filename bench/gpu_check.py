@@ -1,25 +1,35 @@
 """The Python parts of bench/gpu_check.sh, one per call so that each gets its own timeout:
 
     python bench/gpu_check.py parity [--cpu-dry-run]
-    python bench/gpu_check.py speed [--compile] [--cpu-dry-run]
+    python bench/gpu_check.py graphs [--cpu-dry-run]
+    python bench/gpu_check.py speed [--quant none|int8|int4] [--cpu-dry-run]
     python bench/gpu_check.py serve [--cpu-dry-run]
 
 parity  a small random GQA Llama (tools/make_checkpoint.py) loaded by llama2.tp_llama on the GPU,
-        in fp32 and in bf16, against transformers' LlamaForCausalLM in fp32 on the CPU (the
-        reference of the tests): the logits of one forward pass, of prefill + chunk + single-token
-        steps, and of rows at different positions (tests/tp_worker.py's run_model).
-speed   decode tokens/s of a Llama-2-7B-shaped random model in bf16, made on the GPU (no
-        checkpoint file), at batch 1 and 8 (prompt 32, 64 new tokens, greedy), through
+        in fp32, bf16, and bf16 with int8 and int4 weights (quant.py's CUDA kernels), against
+        transformers' LlamaForCausalLM in fp32 on the CPU (the reference of the tests; for int8
+        and int4, with its weights quantized and dequantized by the same math): the logits of one
+        forward pass, of prefill + chunk + single-token steps, and of rows at different positions
+        (tests/tp_worker.py's run_model).
+graphs  the same model, bf16 and int8, after compile_decode(cuda_graphs=True): decode steps with
+        rows joining and leaving (tests/test_decode_graphs.py's) give the eager logits, and
+        inductor skipped no CUDA graph.
+speed   decode tokens/s of a random bf16 model of Llama-2-7B's shapes with 8 of its 32 layers
+        (a quarter of its bytes per step), made on the GPU (no checkpoint file), its weights
+        quantized by --quant, at batch 1 and 8 (prompt 32, 64 new tokens, greedy), through
         generate.generate and as raw decode steps, against the HBM roofline (bytes of weights
-        per step / 4.8 TB/s); --compile first runs Transformer.compile_decode() and times that.
+        per step / 4.8 TB/s): eager, after compile_decode(), and after
+        compile_decode(cuda_graphs=True), each compile timed.
 serve   TorchServe on the GPU with TP=1 (tools/local_server.py, deviceType gpu) serving a small
         checkpoint; one greedy request must equal the same model run in this process.
 
---cpu-dry-run runs each part on the CPU with small shapes, to check the script itself.
+--cpu-dry-run runs each part on the CPU with small shapes (and fp32 where the GPU runs bf16: inductor
+compiles bf16 slowly on a CPU), to check the script itself.
 Every part prints PASS, FAIL or SKIP on its last line and exits 0, 1 or 0.
 """
 
 import argparse
+import copy
 import os
 import signal
 import statistics
@@ -34,6 +44,7 @@ for path in (ROOT, os.path.join(ROOT, "tools"), os.path.join(ROOT, "tests"), os.
     sys.path.insert(0, path)
 import generate  # noqa: E402
 import llama2  # noqa: E402
+import quant  # noqa: E402
 from tp_decode import generate_tokens_per_s, step_bytes, step_ms, sync  # noqa: E402
 
 TOKENIZER = os.path.join(ROOT, "demo", "tokenizer.model")
@@ -65,6 +76,26 @@ def small_checkpoint(out: str):
 
 # --- parity -----------------------------------------------------------------------------
 
+def fake_quantized(hf, mode: str):
+    """A copy of the reference model whose linear weights went through quant.py's
+    quantization and back (the output projection as quant.OUTPUT_MODE says), from their
+    bf16 values, as a bf16 model quantizes them."""
+    ref = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, m in ref.named_modules():
+            if isinstance(m, torch.nn.Linear):
+                how = quant.OUTPUT_MODE[mode] if name == "lm_head" else mode
+                w = m.weight.bfloat16()
+                if how == "int8":
+                    q, scales = quant.int8_quantize(w)
+                    m.weight.copy_(q.float() * scales.float()[:, None])
+                else:
+                    q, sz = quant.int4_quantize(w, quant.INT4_GROUP_SIZE)
+                    scale, zero = (sz[..., i].t().float().repeat_interleave(quant.INT4_GROUP_SIZE, 1) for i in (0, 1))
+                    m.weight.copy_((q.float() - 8) * scale + zero)
+    return ref
+
+
 def parity(dry: bool) -> bool:
     from tp_worker import expected_rows, fixed_tokens, run_model
 
@@ -74,14 +105,18 @@ def parity(dry: bool) -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         hf, folder = small_checkpoint(tmp)
         tokens = fixed_tokens(hf.config.vocab_size)
-        with torch.no_grad():
-            ref = hf(tokens).logits.float()
-        scale = ref.std().item()
-        for dtype, tol in TOLERANCE.items():
-            model = llama2.tp_llama(None, folder, TOKENIZER, 1, dtype=dtype, max_batch_size=4, max_seq_len=64).model
+        runs = [(dtype, None) for dtype in TOLERANCE] + [(torch.bfloat16, mode) for mode in quant.MODES]
+        for dtype, mode in runs:
+            tol = TOLERANCE[dtype]
+            with torch.no_grad():
+                ref = (fake_quantized(hf, mode) if mode else hf)(tokens).logits.float()
+            scale = ref.std().item()
+            model = llama2.tp_llama(None, folder, TOKENIZER, 1, dtype=dtype, max_batch_size=4, max_seq_len=64,
+                                    quantization=mode).model
             assert model.output.weight.device.type == device.type, model.output.weight.device
             out = {k: v.float().cpu() for k, v in run_model(model, tokens.to(device)).items()}
             expected = {"full": ref, "decode": ref, "rows": expected_rows(ref, out["rows"])}
+            label = str(dtype)[6:] + (f" {mode}" if mode else "")
             for key, exp in expected.items():
                 got, valid = out[key], ~exp[..., 0].isnan()
                 err = (got - exp).abs()[valid].max().item() / scale
@@ -92,9 +127,44 @@ def parity(dry: bool) -> bool:
                 agree = got[valid].argmax(-1) == exp[valid].argmax(-1)
                 good = err <= tol and bool(agree[clear].all())
                 ok &= good
-                print(f"{device.type} {str(dtype)[6:]:8} {key:6}: max |Δ| / std = {err:.2e} (tolerance {tol:g}); "
+                print(f"{device.type} {label:13} {key:6}: max |Δ| / std = {err:.2e} (tolerance {tol:g}); "
                       f"top token agrees at {int(agree.sum())}/{len(agree)} positions, at "
                       f"{int(agree[clear].sum())}/{int(clear.sum())} with a clear lead  {'ok' if good else 'FAIL'}")
+            del model
+    return ok
+
+
+# --- graphs -----------------------------------------------------------------------------
+
+def graphs(dry: bool) -> bool:
+    from test_decode_graphs import MAX_BATCH, MAX_SEQ_LEN, decode
+
+    device = device_for(dry)
+    dtype = torch.float32 if dry else torch.bfloat16  # inductor compiles bf16 slowly on CPU
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        _, folder = small_checkpoint(tmp)
+        for mode in (None, "int8"):
+            model = llama2.tp_llama(None, folder, TOKENIZER, 1, dtype=dtype, max_batch_size=MAX_BATCH,
+                                    max_seq_len=MAX_SEQ_LEN, quantization=mode).model
+            assert model.output.weight.device.type == device.type
+            eager = decode(model)
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            start = time.perf_counter()
+            model.compile_decode(cuda_graphs=True)
+            seconds = time.perf_counter() - start
+            replayed = decode(model)
+            skips = dict(torch._dynamo.utils.counters["inductor"]).get("cudagraph_skips", 0)
+            scale = torch.cat([e.float() for e in eager]).std().item()
+            err = max((a.float() - b.float()).abs().max().item() for a, b in zip(eager, replayed)) / scale
+            tol = TOLERANCE[torch.bfloat16]
+            good = err <= tol and (dry or skips == 0)
+            ok &= good
+            print(f"{device.type} {str(dtype)[6:]}{' ' + mode if mode else ''}: compile_decode(cuda_graphs=True) "
+                  f"{seconds:.0f} s, "
+                  f"buckets {model.decode_buckets}; {len(eager)} steps, max |Δ| / std from eager = {err:.2e} "
+                  f"(tolerance {tol:g}); CUDA graphs skipped by inductor: {skips}  {'ok' if good else 'FAIL'}")
             del model
     return ok
 
@@ -143,29 +213,36 @@ def copy_bandwidth(device) -> float:
     return 2 * src.numel() * 4 / statistics.median(times) / 1e9
 
 
-def speed(dry: bool, compile: bool) -> bool:
+def speed(dry: bool, quantization: str) -> bool:
     device = device_for(dry)
+    reps, steps = (1, 8) if dry else (3, 64)  # the dry run checks the script, not the speed
     if dry:
-        args = llama2.ModelArgs(dim=256, n_layers=4, n_heads=8, vocab_size=2048, max_batch_size=8, max_seq_len=128)
-    else:  # Llama-2-7B: 6.7B parameters, 13.5 GB in bf16
-        args = llama2.ModelArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, multiple_of=256,
+        args = llama2.ModelArgs(dim=256, n_layers=2, n_heads=8, vocab_size=2048, max_batch_size=8, max_seq_len=128)
+    else:  # Llama-2-7B's shapes, 8 of its 32 layers: 1.9B parameters, 3.8 GB in bf16
+        args = llama2.ModelArgs(dim=4096, n_layers=8, n_heads=32, vocab_size=32000, multiple_of=256,
                                 max_batch_size=8, max_seq_len=128)
-    model = random_model(args, device, torch.bfloat16)
-    weight_bytes = step_bytes(model)
-    print(f"{device}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, "
-          f"{weight_bytes / 1e9:.2f} GB of weights per step; device copy {copy_bandwidth(device):.0f} GB/s")
-    if compile:
+    model = random_model(args, device, torch.float32 if dry else torch.bfloat16)
+    if quantization != "none":
         start = time.perf_counter()
-        model.compile_decode()  # compiles its graphs before it returns
-        print(f"compile_decode: {time.perf_counter() - start:.0f} s")
-    label = "compiled" if compile else "eager"
-    for batch in (1, 8):
-        tps = generate_tokens_per_s(model, NullTokenizer, batch, 3)
-        step = step_ms(model, batch)
-        roof = batch * HBM_BYTES_PER_S / weight_bytes
-        print(f"{label} batch {batch}: generate {tps:,.0f} tokens/s, decode step {step:.2f} ms "
-              f"({batch * 1e3 / step:,.0f} tokens/s); roofline {roof:,.0f} tokens/s: generate at "
-              f"{100 * tps / roof:.0f}%, step at {100 * batch * 1e3 / step / roof:.0f}%")
+        quant.quantize(model, quantization)
+        print(f"quantized to {quantization} in {time.perf_counter() - start:.1f} s")
+    weight_bytes = step_bytes(model)
+    print(f"{device}: {quantization}, {weight_bytes / 1e9:.2f} GB of weights per step; "
+          f"device copy {copy_bandwidth(device):.0f} GB/s")
+    for mode in ("eager", "compiled", "graphs"):
+        if mode != "eager":
+            torch._dynamo.reset()
+            start = time.perf_counter()
+            model.compile_decode(cuda_graphs=mode == "graphs")  # compiles (and captures) before it returns
+            print(f"compile_decode({'cuda_graphs=True' if mode == 'graphs' else ''}): "
+                  f"{time.perf_counter() - start:.0f} s")
+        for batch in (1, 8):
+            tps = generate_tokens_per_s(model, NullTokenizer, batch, reps)
+            step = step_ms(model, batch, steps=steps)
+            roof = batch * HBM_BYTES_PER_S / weight_bytes
+            print(f"{quantization} {mode} batch {batch}: generate {tps:,.0f} tokens/s, decode step {step:.2f} ms "
+                  f"({batch * 1e3 / step:,.0f} tokens/s); roofline {roof:,.0f} tokens/s: generate at "
+                  f"{100 * tps / roof:.0f}%, step at {100 * batch * 1e3 / step / roof:.0f}%")
     return True
 
 
@@ -208,14 +285,15 @@ def serve(dry: bool) -> bool | None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=["parity", "speed", "serve"])
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("part", choices=["parity", "graphs", "speed", "serve"])
+    ap.add_argument("--quant", choices=["none", *quant.MODES], default="none", help="speed: the weights' quantization")
     ap.add_argument("--cpu-dry-run", action="store_true")
     a = ap.parse_args()
     dry = a.cpu_dry_run
     # gpu_check.sh's timeout sends SIGTERM: unwind, so that serve's finally stops TorchServe
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("FAIL: stopped by the time limit"))
-    ok = {"parity": lambda: parity(dry), "speed": lambda: speed(dry, a.compile), "serve": lambda: serve(dry)}[a.part]()
+    ok = {"parity": lambda: parity(dry), "graphs": lambda: graphs(dry), "speed": lambda: speed(dry, a.quant),
+          "serve": lambda: serve(dry)}[a.part]()
     if ok is None:
         return
     print("PASS" if ok else "FAIL")

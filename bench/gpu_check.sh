@@ -5,11 +5,14 @@
 #   bench/gpu_check.sh --cpu-dry-run   # here: every part on the CPU with small shapes
 #
 # Parts (bench/gpu_check.py), each under its own timeout, each ending in PASS, FAIL or SKIP:
-#   parity          the GPU's fp32 and bf16 logits against the fp32 CPU reference (transformers)
-#   speed           a Llama-2-7B-shaped random bf16 model: decode tokens/s at batch 1 and 8
-#                   against the HBM roofline (weight bytes / 4.8 TB/s)
+#   parity          the GPU's fp32, bf16, bf16+int8 and bf16+int4 logits against the fp32 CPU reference
+#                   (transformers; for int8/int4 with its weights quantized by the same math)
+#   graphs          compile_decode(cuda_graphs=True), bf16 and int8: CUDA-graph replays give the eager logits
 #   serve           TorchServe with TP=1 on the GPU answers a request as the model does in-process
-#   speed --compile the same with Transformer.compile_decode() (last: compiling takes longest)
+#   speed_none, speed_int8, speed_int4
+#                   a random bf16 model of Llama-2-7B's shapes with 8 of its 32 layers, weights as named:
+#                   decode tokens/s at batch 1 and 8 against the HBM roofline (weight bytes / 4.8 TB/s),
+#                   eager, after compile_decode() and after compile_decode(cuda_graphs=True)
 # Environment: PY (the Python; default python3, or .venv/bin/python for the dry run), WHEELS (a
 # folder of wheels; when it exists, the requirements but torch are installed from it first, with
 # pip --no-index: the machine's own CUDA torch stays), LOG_DIR (where each part's log goes;
@@ -39,8 +42,11 @@ fi
 "$PY" -c 'import sys, torch; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.cuda.is_available()}")'
 
 declare -A RESULT
+# The dry run compiles the same graphs with inductor's C++ backend on a few CPU cores: 6 times the time.
+SCALE=1
+if [ -n "$DRY" ]; then SCALE=6; fi
 part() {  # part NAME SECONDS ARGS...: run one part, keep its log and its last word
-  local name=$1 limit=$2
+  local name=$1 limit=$(($2 * SCALE))
   shift 2
   echo "=== $name (at most ${limit} s)"
   timeout "$limit" "$PY" bench/gpu_check.py "$@" $DRY 2>&1 | tee "$LOG_DIR/$name.log"
@@ -53,14 +59,16 @@ part() {  # part NAME SECONDS ARGS...: run one part, keep its log and its last w
   else RESULT[$name]="FAIL (exit $rc)"; fi
 }
 
-part parity 50 parity
-part speed 70 speed
-part serve 90 serve
-part speed_compile 210 speed --compile
+part parity 60 parity
+part graphs 70 graphs
+part serve 60 serve
+part speed_none 90 speed --quant none
+part speed_int8 90 speed --quant int8
+part speed_int4 90 speed --quant int4
 
 echo "=== summary ($((SECONDS - START)) s; logs in $LOG_DIR)"
 status=0
-for name in parity speed serve speed_compile; do
+for name in parity graphs serve speed_none speed_int8 speed_int4; do
   echo "$name: ${RESULT[$name]}"
   [[ "${RESULT[$name]}" == FAIL* ]] && status=1
 done

@@ -1,11 +1,12 @@
 """Peak resident memory per rank while tp_llama loads a checkpoint of about 400 MB (fp32).
 
     python bench/load_memory.py [--dim 1024 --layers 8 --heads 16 --kv-heads 8] [--layouts meta hf]
+                                [--quantizations none int8 int4]
 
 writes a random checkpoint (Meta layout MP=1 and/or Hugging Face safetensors), loads it with
-llama2.tp_llama at TP=1 (a plain process) and TP=2 (torchrun, gloo, CPU), and writes a
-table into BENCHMARKS.md between the load_memory markers. Each rank reports, from
-/proc/self/status:
+llama2.tp_llama at TP=1 (a plain process) and TP=2 (torchrun, gloo, CPU), unquantized and
+quantized at load (tp_llama(quantization=...)), and writes a table into BENCHMARKS.md between
+the load_memory markers. Each rank reports, from /proc/self/status:
 
   VmHWM    peak resident set (the kernel's high-water mark, reset after imports). It counts
            the clean page-cache pages of the memory-mapped checkpoint that the rank touched.
@@ -72,9 +73,9 @@ class PeakSampler(threading.Thread):
 
 # --- one rank -----------------------------------------------------------------------------
 
-def measure(folder: str, out_dir: str):
-    """Load folder with tp_llama on WORLD_SIZE ranks (this is one of them) and save this
-    rank's figures to out_dir/rank{r}.json."""
+def measure(folder: str, out_dir: str, quantization: str):
+    """Load folder with tp_llama on WORLD_SIZE ranks (this is one of them), quantized unless
+    quantization is "none", and save this rank's figures to out_dir/rank{r}.json."""
     import torch
 
     import llama2
@@ -95,7 +96,8 @@ def measure(folder: str, out_dir: str):
     sampler = PeakSampler()
     sampler.start()
     t0 = time.perf_counter()
-    model = llama2.tp_llama(None, folder, TOKENIZER, world_size, max_batch_size=1, max_seq_len=256).model
+    model = llama2.tp_llama(None, folder, TOKENIZER, world_size, max_batch_size=1, max_seq_len=256,
+                            quantization=None if quantization == "none" else quantization).model
     seconds = time.perf_counter() - t0
     peak = sampler.stop()
     after = status()
@@ -103,8 +105,9 @@ def measure(folder: str, out_dir: str):
     trimmed = malloc_trim()
     caches = [t for layer in model.layers for t in (layer.attention.cache_k, layer.attention.cache_v)]
     rank = llama2.tp_world()[0]
-    result = {"rank": rank, "world_size": world_size, "seconds": seconds,
-              "shard": sum(p.numel() * p.element_size() for p in model.parameters()),
+    weights = [*model.parameters(), *model.buffers()]  # quantized weights and scales are buffers
+    result = {"rank": rank, "world_size": world_size, "seconds": seconds, "quantization": quantization,
+              "shard": sum(t.numel() * t.element_size() for t in weights),
               "kv_cache": sum(t.numel() * t.element_size() for t in caches),
               "warm_up": warm["RssAnon"] - first_use["RssAnon"], "before": before, "after": after, "peak_anon": peak["RssAnon"], "peak_file": peak["RssFile"],
               "hwm": after["VmHWM"], "trimmed": trimmed["RssAnon"],
@@ -198,10 +201,10 @@ def write_checkpoint(out: str, dim: int, layers: int, heads: int, kv_heads: int,
 
 # --- the driver ---------------------------------------------------------------------------
 
-def run_ranks(folder: str, world_size: int) -> list[dict]:
+def run_ranks(folder: str, world_size: int, quantization: str) -> list[dict]:
     out_dir = tempfile.mkdtemp(prefix="load_memory_")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    me = [os.path.abspath(__file__), "--measure", folder, out_dir]
+    me = [os.path.abspath(__file__), "--measure", folder, out_dir, quantization]
     if world_size == 1:
         cmd = [sys.executable, *me]
     else:
@@ -219,13 +222,14 @@ def table(rows: list[tuple[str, int, dict]]) -> str:
     def mb(n):
         return f"{n / MB:.0f}"
 
-    lines = ["| layout | TP | rank | shard kept | KV cache | checkpoint pages its slices span | "
+    lines = ["| layout | TP | weights | rank | shard kept | KV cache | checkpoint pages its slices span | "
              "before: RssAnon / VmRSS | peak RssAnon − before | RssAnon after malloc_trim − before | "
              "peak RssFile − before | **VmHWM − before** | load (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for layout, ws, r in rows:
         b = r["before"]
-        lines.append(f"| {layout} | {ws} | {r['rank']} | {mb(r['shard'])} | {mb(r['kv_cache'])} | {mb(r['spanned'])} | "
+        lines.append(f"| {layout} | {ws} | {r['quantization']} | {r['rank']} | {mb(r['shard'])} | "
+                     f"{mb(r['kv_cache'])} | {mb(r['spanned'])} | "
                      f"{mb(b['RssAnon'])} / {mb(b['VmRSS'])} | {mb(r['peak_anon'] - b['RssAnon'])} | "
                      f"{mb(r['trimmed'] - b['RssAnon'])} | {mb(r['peak_file'] - b['RssFile'])} | "
                      f"**{mb(r['hwm'] - b['VmRSS'])}** | {r['seconds']:.1f} |")
@@ -240,8 +244,8 @@ def summary(rows: list[tuple[str, int, dict]], row_bytes: dict) -> str:
 
     rs = [r for _, _, r in rows]
     max_off = max(abs(r["trimmed"] - r["before"]["RssAnon"] - r["shard"] - r["kv_cache"]) for r in rs) / MB
-    tp1 = [r for _, ws, r in rows if ws == 1]
-    tp2 = [r for _, ws, r in rows if ws == 2]
+    tp1 = [r for _, ws, r in rows if ws == 1 and r["quantization"] == "none"]
+    tp2 = [r for _, ws, r in rows if ws == 2 and r["quantization"] == "none"]
     text = [
         "Reading the table:",
         f"- Private memory is the shard. After loading (and malloc_trim), RssAnon has grown by the shard kept plus "
@@ -264,6 +268,7 @@ def summary(rows: list[tuple[str, int, dict]], row_bytes: dict) -> str:
             "the half-rows lie on most pages of those tensors: up to one extra page at each end of each row's slice. The rest of the RssFile peak is the kernel mapping neighbouring "
             "page-cache pages on each fault (fault-around, large folios). Private memory is not affected: "
             "the slices are copied into the rank's parameters (through one temporary for the fused wqkv and w13).")
+    text += quantized_summary(rows)
     text.append(
         "- Not done, possible: after copying each parameter, Checkpoint.load_into could "
         "madvise(MADV_DONTNEED) the pages of the source tensors (clean, private, file-backed: they are only "
@@ -272,9 +277,39 @@ def summary(rows: list[tuple[str, int, dict]], row_bytes: dict) -> str:
     return "\n".join(text)
 
 
+def quantized_summary(rows: list[tuple[str, int, dict]]) -> list[str]:
+    """Each quantized rank against the same layout, TP and rank unquantized: its resident
+    weights (targets: int8 at most 30% of fp32, int4 at most 20%) and its private memory."""
+    fp32 = {(layout, ws, r["rank"]): r for layout, ws, r in rows if r["quantization"] == "none"}
+    text = []
+    for q in ("int8", "int4"):
+        pairs = [(r, fp32[layout, ws, r["rank"]]) for layout, ws, r in rows
+                 if r["quantization"] == q and (layout, ws, r["rank"]) in fp32]
+        if not pairs:
+            continue
+
+        def pct(key, base_key=None):
+            values = [100 * (r[key] - r["before"]["RssAnon"] if base_key else r[key])
+                      / (f[key] - f["before"]["RssAnon"] if base_key else f[key]) for r, f in pairs]
+            lo, hi = min(values), max(values)
+            return f"{lo:.0f}%" if round(lo) == round(hi) else f"{lo:.0f}–{hi:.0f}%"
+
+        text.append(
+            f"- {q}: a rank's resident weights (parameters and buffers: quantized projections with their scales, the "
+            f"embedding and norms in fp32) are {pct('shard')} of the same rank's fp32 weights"
+            f" (target: at most {30 if q == 'int8' else 20}%); its private memory after loading (RssAnon after "
+            f"malloc_trim − before, the KV cache included) {pct('trimmed', True)}, and its peak private memory "
+            f"while loading {pct('peak_anon', True)} of fp32's: tp_llama reads and quantizes one projection at a "
+            "time, so the peak is the quantized model plus one projection in fp32 and the temporaries of reading "
+            "and quantizing it, and what glibc keeps of freed temporaries (int4 makes an int32 copy of each "
+            "projection before packing it). The embedding, kept in fp32 on every rank, is a larger part of a "
+            "rank's weights at TP=2.")
+    return text
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--measure":
-        return measure(sys.argv[2], sys.argv[3])
+        return measure(sys.argv[2], sys.argv[3], sys.argv[4])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
@@ -282,6 +317,7 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--layouts", nargs="+", default=["meta", "hf"], choices=["meta", "hf"])
     ap.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4"], choices=["none", "int8", "int4"])
     ap.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
     a = ap.parse_args()
 
@@ -291,7 +327,8 @@ def main():
         rows = []
         for layout, folder in folders.items():
             for ws in a.world_sizes:
-                rows += [(layout, ws, r) for r in run_ranks(folder, ws)]
+                for q in a.quantizations:
+                    rows += [(layout, ws, r) for r in run_ranks(folder, ws, q)]
     finally:
         shutil.rmtree(tmp)
     row_bytes = {"wo": args.dim * 4, "w2": args.ffn_hidden_dim * 4}  # fp32

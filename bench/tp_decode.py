@@ -96,8 +96,8 @@ def sync(device: torch.device):
 
 def step_bytes(model: llama2.Transformer) -> int:
     """Bytes of weights one decode step reads: everything but the embedding table, of
-    which it reads one row per token."""
-    return sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+    which it reads one row per token. Quantized weights and their scales are buffers."""
+    return sum(t.numel() * t.element_size() for name, t in [*model.named_parameters(), *model.named_buffers()]
                if not name.startswith("tok_embeddings"))
 
 

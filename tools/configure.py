@@ -130,12 +130,14 @@ def main():
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="any other setting, e.g. handler.max_seq_len=4096 (repeatable)")
     ap.add_argument("--device", choices=["cpu", "gpu", "auto"], default="auto")
+    ap.add_argument("--quant", choices=["none", "int8", "int4"], help="handler.quantization")
     a = ap.parse_args()
     device = a.device
     if device == "auto":
         device = "gpu" if torch.cuda.is_available() else "cpu"
     with open(a.base) as f:
-        config = configure(yaml.safe_load(f), a.tp, a.checkpoint, a.tokenizer, device, threads=a.threads)
+        config = configure(yaml.safe_load(f), a.tp, a.checkpoint, a.tokenizer, device, threads=a.threads,
+                           handler={"quantization": a.quant} if a.quant else None)
     try:
         for assignment in a.set:
             set_key(config, assignment)
