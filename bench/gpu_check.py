@@ -2,7 +2,7 @@
 
     python bench/gpu_check.py parity [--cpu-dry-run]
     python bench/gpu_check.py graphs [--cpu-dry-run]
-    python bench/gpu_check.py speed [--quant none|int8|int4] [--cpu-dry-run]
+    python bench/gpu_check.py speed [--quant none|int8|int4] [--modes eager compiled graphs] [--cpu-dry-run]
     python bench/gpu_check.py serve [--cpu-dry-run]
 
 parity  a small random GQA Llama (tools/make_checkpoint.py) loaded by llama2.tp_llama on the GPU,
@@ -19,7 +19,7 @@ speed   decode tokens/s of a random bf16 model of Llama-2-7B's shapes with 8 of 
         quantized by --quant, at batch 1 and 8 (prompt 32, 64 new tokens, greedy), through
         generate.generate and as raw decode steps, against the HBM roofline (bytes of weights
         per step / 4.8 TB/s): eager, after compile_decode(), and after
-        compile_decode(cuda_graphs=True), each compile timed.
+        compile_decode(cuda_graphs=True) (--modes picks), each compile timed.
 serve   TorchServe on the GPU with TP=1 (tools/local_server.py, deviceType gpu) serving a small
         checkpoint; one greedy request must equal the same model run in this process.
 
@@ -213,7 +213,7 @@ def copy_bandwidth(device) -> float:
     return 2 * src.numel() * 4 / statistics.median(times) / 1e9
 
 
-def speed(dry: bool, quantization: str) -> bool:
+def speed(dry: bool, quantization: str, modes: list[str]) -> bool:
     device = device_for(dry)
     reps, steps = (1, 8) if dry else (3, 64)  # the dry run checks the script, not the speed
     if dry:
@@ -229,7 +229,7 @@ def speed(dry: bool, quantization: str) -> bool:
     weight_bytes = step_bytes(model)
     print(f"{device}: {quantization}, {weight_bytes / 1e9:.2f} GB of weights per step; "
           f"device copy {copy_bandwidth(device):.0f} GB/s")
-    for mode in ("eager", "compiled", "graphs"):
+    for mode in modes:
         if mode != "eager":
             torch._dynamo.reset()
             start = time.perf_counter()
@@ -287,12 +287,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("part", choices=["parity", "graphs", "speed", "serve"])
     ap.add_argument("--quant", choices=["none", *quant.MODES], default="none", help="speed: the weights' quantization")
+    ap.add_argument("--modes", nargs="+", choices=["eager", "compiled", "graphs"], default=["eager", "compiled", "graphs"],
+                    help="speed: eager, after compile_decode(), after compile_decode(cuda_graphs=True)")
     ap.add_argument("--cpu-dry-run", action="store_true")
     a = ap.parse_args()
     dry = a.cpu_dry_run
     # gpu_check.sh's timeout sends SIGTERM: unwind, so that serve's finally stops TorchServe
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("FAIL: stopped by the time limit"))
-    ok = {"parity": lambda: parity(dry), "graphs": lambda: graphs(dry), "speed": lambda: speed(dry, a.quant),
+    ok = {"parity": lambda: parity(dry), "graphs": lambda: graphs(dry), "speed": lambda: speed(dry, a.quant, a.modes),
           "serve": lambda: serve(dry)}[a.part]()
     if ok is None:
         return
