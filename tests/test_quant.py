@@ -143,9 +143,9 @@ def test_loading_quantizes_one_projection_at_a_time(monkeypatch, mode):
     loading, full_precision = [], []
     real_load_quantized, real_quantized = quant.load_quantized, quant.quantized
 
-    def load_quantized(model, *args):
+    def load_quantized(model, *args, **kwargs):
         loading.append(model)
-        return real_load_quantized(model, *args)
+        return real_load_quantized(model, *args, **kwargs)
 
     def quantized(linear, *args):
         full_precision.append(sum(isinstance(m, nn.Linear) and not m.weight.is_meta for m in loading[0].modules()))
