@@ -308,6 +308,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(params.dim, eps=params.norm_eps)
         self.output = nn.Linear(params.dim, params.vocab_size, bias=False)
         self.output_group = None  # set when the vocabulary is split: logits are all-gathered
+        self.embed_group = None  # likewise: each rank embeds its part of the vocabulary, summed over ranks
+        self.embed_start = 0  # the first token id of this rank's part
         self.freqs_cis: torch.Tensor | None = None
         self.compiled_decode = None  # set by compile_decode
         self.decode_buckets: tuple[list[int], list[int]] | None = None  # compile_decode(cuda_graphs=True)
@@ -315,10 +317,21 @@ class Transformer(nn.Module):
         self.tie_weights()
 
     def tie_weights(self):
-        """Share the embedding with the output projection when the checkpoint ties them and
-        the output is not split over ranks (a split output loads its own slice of it)."""
-        if self.params.tie_word_embeddings and self.output_group is None:
+        """Share the embedding with the output projection when the checkpoint ties them (split
+        over the ranks, both hold the same part of the vocabulary)."""
+        if self.params.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings. Split over the vocabulary, a rank looks up the tokens of its
+        part (the others give zeros) and an all-reduce sums the parts."""
+        if self.embed_group is None:
+            return self.tok_embeddings(tokens)
+        local = tokens - self.embed_start
+        inside = (local >= 0) & (local < self.tok_embeddings.num_embeddings)
+        h = self.tok_embeddings(local.masked_fill(~inside, 0)).masked_fill_(~inside.unsqueeze(-1), 0.0)
+        dist.all_reduce(h, group=self.embed_group)
+        return h
 
     def setup_caches(self, max_batch_size: int | None = None, max_seq_len: int | None = None,
                      num_blocks: int | None = None):
@@ -432,7 +445,7 @@ class Transformer(nn.Module):
         logits_at = None if batch.logits_at is None else torch.tensor(batch.logits_at, device=device)
         # the freqs are gathered outside the graph: a view's offset would recompile at each position
         run = self.compiled_decode if self.compiled_decode is not None and not batch.chunks else self.run_layers
-        return run(self.tok_embeddings(tokens).unsqueeze(0), self.freqs_cis[positions], attend, logits_at)
+        return run(self.embed(tokens).unsqueeze(0), self.freqs_cis[positions], attend, logits_at)
 
     @torch.inference_mode()
     def bucketed_decode(self, batch: Batch, rows: int | None = None, width: int | None = None,
@@ -453,7 +466,7 @@ class Transformer(nn.Module):
         positions = torch.tensor(padded.positions, device=device)
         attend = self.attend(padded, positions)
         torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs may be overwritten now
-        logits = self.compiled_decode(self.tok_embeddings(tokens).unsqueeze(0), self.freqs_cis[positions], attend, None)
+        logits = self.compiled_decode(self.embed(tokens).unsqueeze(0), self.freqs_cis[positions], attend, None)
         wanted = torch.tensor(list(range(n) if batch.logits_at is None else batch.logits_at), dtype=torch.long,
                               device=device)
         return logits[wanted]  # a copy: the graph's output buffer is overwritten by its next replay
@@ -514,10 +527,11 @@ def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
 def parallelize_llama_attn_block(model: Transformer, world_size: int):
     """Shard every block for tensor parallelism, in place (best done on the meta device,
     before loading): wq/wk/wv and w1/w3 column-wise (each rank keeps its heads and its part
-    of the FFN width), wo and w2 row-wise with an all-reduce of their outputs. The output
-    projection is split over the vocabulary when it divides evenly; the embedding is
-    replicated. Each rank ends up with plain local tensors, so a decode step costs two
-    all-reduces per layer and one all-gather, with no DTensor dispatch in the loop."""
+    of the FFN width), wo and w2 row-wise with an all-reduce of their outputs. The embedding
+    and the output projection are split over the vocabulary when it divides evenly (else
+    replicated), as vLLM's VocabParallelEmbedding and ParallelLMHead. Each rank ends up with
+    plain local tensors, so a forward pass costs an all-reduce for the embedding, two per
+    layer and an all-gather of the logits, with no DTensor dispatch in the loop."""
     rank, ws = tp_world()
     if ws != world_size:
         raise ValueError(f"world_size {world_size} does not match the process group's size {ws}")
@@ -528,9 +542,12 @@ def parallelize_llama_attn_block(model: Transformer, world_size: int):
         layer.attention.shard(args, rank, world_size)
         layer.feed_forward.shard(world_size)
     if args.vocab_size % world_size == 0:
-        device = model.output.weight.device
-        model.output = nn.Linear(args.dim, args.vocab_size // world_size, bias=False, device=device)
-        model.output_group = dist.group.WORLD
+        device, part = model.output.weight.device, args.vocab_size // world_size
+        model.output = nn.Linear(args.dim, part, bias=False, device=device)
+        model.tok_embeddings = nn.Embedding(part, args.dim, device=device)
+        model.output_group = model.embed_group = dist.group.WORLD
+        model.embed_start = rank * part
+        model.tie_weights()
 
 
 def weight_plan(model: Transformer, rank: int, world_size: int) -> dict[str, list[checkpoint.Piece]]:
@@ -545,7 +562,9 @@ def weight_plan(model: Transformer, rank: int, world_size: int) -> dict[str, lis
     ffn_rows = (rank * ffn_part, (rank + 1) * ffn_part)
     Piece = checkpoint.Piece
 
-    plan = {"tok_embeddings.weight": [Piece("tok_embeddings.weight", (args.vocab_size, dim))],
+    rows = model.tok_embeddings.num_embeddings  # the rank's part of the vocabulary, or all of it
+    start = model.embed_start
+    plan = {"tok_embeddings.weight": [Piece("tok_embeddings.weight", (args.vocab_size, dim), 0, start, start + rows)],
             "norm.weight": [Piece("norm.weight", (dim,))]}
     out_rows = model.output.weight.shape[0]
     out_start = rank * out_rows if model.output_group is not None else 0  # split, or replicated
