@@ -302,8 +302,8 @@ def quantized_summary(rows: list[tuple[str, int, dict]]) -> list[str]:
             f"while loading {pct('peak_anon', True)} of fp32's: tp_llama reads and quantizes one projection at a "
             "time, so the peak is the quantized model plus one projection in fp32 and the temporaries of reading "
             "and quantizing it, and what glibc keeps of freed temporaries (int4 makes an int32 copy of each "
-            "projection before packing it). The embedding, kept in fp32 on every rank, is a larger part of a "
-            "rank's weights at TP=2.")
+            "projection before packing it). The embedding stays in fp32, split over the ranks' vocabulary "
+            "like the output projection.")
     return text
 
 
