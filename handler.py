@@ -28,6 +28,7 @@ import quant
 from api import Defaults, Job, Limits, RequestError
 from engine import Engine
 from llama2 import tp_llama
+from scheduler import default_token_budget
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ JSON = "application/json"
 # What a model-config.yaml that leaves a handler key out gets (README: Configuration). The
 # tokenizer defaults to <checkpoint>/tokenizer.model; limits and defaults to api's dataclasses.
 SETTINGS = {"checkpoint": "weights", "max_seq_len": 512, "dtype": "auto", "compile": False, "kv_cache_bytes": 0,
-            "max_batched_tokens": 512, "steps_per_iteration": 4, "prefix_caching": True, "quantization": "none"}
+            "max_batched_tokens": "auto", "steps_per_iteration": 4, "prefix_caching": True, "quantization": "none"}
 # Tests only: with LLAMA_TEST_FAULTS=1 in the workers' environment, a request whose prompt holds
 # FAULT.format(where) raises there, so that a test can show what a bug costs: in preprocess,
 # or in a decode step once it has FAULT_AFTER tokens (time for the test to queue others).
@@ -79,7 +80,7 @@ class LlamaHandler(BaseHandler):
         dtype = settings.pop("dtype")
         compile_decode = settings.pop("compile")
         kv_cache_bytes = int(settings.pop("kv_cache_bytes"))
-        max_batched_tokens = int(settings.pop("max_batched_tokens"))
+        max_batched_tokens = settings.pop("max_batched_tokens")
         steps_per_iteration = int(settings.pop("steps_per_iteration"))
         prefix_caching = settings.pop("prefix_caching")
         quantization = settings.pop("quantization")
@@ -92,6 +93,8 @@ class LlamaHandler(BaseHandler):
                 raise ValueError(f"handler.{name} must be true or false, got {value!r}")
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"handler.dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+        if max_batched_tokens != "auto" and (type(max_batched_tokens) is not int or max_batched_tokens < 0):
+            raise ValueError(f"handler.max_batched_tokens must be auto or a whole number >= 0, got {max_batched_tokens!r}")
         if quantization not in ("none", *quant.MODES):
             raise ValueError(f"handler.quantization must be none, {' or '.join(quant.MODES)}, got {quantization!r}")
 
@@ -111,6 +114,8 @@ class LlamaHandler(BaseHandler):
         else:
             self.progress("not compiled (handler.compile: false)")
         model = llama.model
+        if max_batched_tokens == "auto":
+            max_batched_tokens = default_token_budget(slots, model.tok_embeddings.weight.is_cuda)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MB on this rank), prefix caching %s, "
                     "%s tokens per step", model.num_blocks, model.block_size,
                     model.num_blocks * model.kv_block_bytes() / 1e6, "on" if prefix_caching else "off",

@@ -15,7 +15,7 @@ from engine import Engine
 from engine_worker import CONFIGS, N_NEW, SYSTEM, workload
 from generate import SamplingParams
 from kv_cache import BlockPool, BlockTable, block_hash
-from scheduler import Scheduler
+from scheduler import Scheduler, default_token_budget
 from torchrun import run
 
 
@@ -62,6 +62,13 @@ class FakeSeq:
     def __init__(self, id, prompt, generated=0):
         self.id, self.prompt_tokens, self.tokens = id, list(prompt), [0] * generated
         self.needs_prompt_logprobs = False
+
+
+def test_default_token_budget_by_device_and_at_least_one_token_per_sequence():
+    assert default_token_budget(8, on_gpu=False) == 64
+    assert default_token_budget(8, on_gpu=True) == 512
+    assert default_token_budget(100, on_gpu=False) == 100
+    assert default_token_budget(1000, on_gpu=True) == 1000
 
 
 def test_scheduler_budget_decodes_first_and_chunks():
