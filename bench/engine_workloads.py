@@ -36,6 +36,7 @@ import requests
 
 import report
 import serving
+from scheduler import default_token_budget
 
 ROOT = serving.ROOT
 SHAPES = {"26M": (512, 8, 8), "110M": (768, 12, 12)}  # dim, layers, heads: bench/decode.py's
@@ -413,7 +414,7 @@ time; every ratio compares servers measured in this run.
 
 | server | the 8 streams' ITL median / p99 (ms) | p99 / median | the long prompt's latency (s) |
 |---|---|---|---|
-| engine (max_batched_tokens {a.long_budget if a.long_budget is not None else "as configured"}) | {e['itl']['median']:.0f} / {e['itl']['p99']:.0f} | {e['itl']['p99'] / e['itl']['median']:.2f} | {e['long_latency']:.1f} |
+| engine (max_batched_tokens {a.long_budget if a.long_budget is not None else f"auto: {default_token_budget(9, False)}"}) | {e['itl']['median']:.0f} / {e['itl']['p99']:.0f} | {e['itl']['p99'] / e['itl']['median']:.2f} | {e['long_latency']:.1f} |
 | baseline | {b['itl']['median']:.0f} / {b['itl']['p99']:.0f} | {b['itl']['p99'] / b['itl']['median']:.2f} | {b['long_latency']:.1f} |
 
 - p99 inter-token latency {e['itl']['p99'] / e['itl']['median']:.2f}× the median (target ≤ 3×: \

@@ -60,12 +60,16 @@ def test_sampling_with_seed_reproduces(server):
     assert any(o != first["generation"] for o in others)
 
 
-def test_stop_string_cuts(server):
+def test_stop_string_cuts(server, demo_llama):
+    """The answer is cut before the stop string, and it ended in the step that completed
+    the stop string, although a TorchServe iteration runs several steps: its usage is the
+    in-process engine's, which checks after every token."""
     full = server.generate({"prompt": PROMPTS[0]} | GREEDY)["generation"]
     stop = full.split()[3]  # a word the greedy answer contains
     answer = server.generate({"prompt": PROMPTS[0], "stop": [stop]} | GREEDY)
     assert answer["finish_reason"] == "stop"
     assert answer["generation"] == full[:full.index(stop)]
+    assert answer == demo_llama.text_completion(PROMPTS[:1], GREEDY["max_new_tokens"], temperature=0, stop=[stop])[0]
 
 
 @pytest.mark.parametrize("body", [{"prompt": PROMPTS[0]}, {"dialog": DIALOG}], ids=["text", "chat"])
@@ -114,6 +118,7 @@ def test_stop_string_streamed(server):
     text = "".join(c["text"] for c in chunks)
     assert text == full[:full.index(stop)] == server.generate(body)["generation"]
     assert chunks[-1]["finish_reason"] == "stop"
+    assert chunks[-1]["usage"] == server.generate(body)["usage"]  # it ended at the same token
 
 
 def test_stream_of_one_token(server):
