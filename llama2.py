@@ -439,13 +439,18 @@ class Transformer(nn.Module):
         if self.decode_buckets is not None and not batch.chunks and batch.n_decode <= self.decode_buckets[0][-1]:
             return self.bucketed_decode(batch)
         device = self.tok_embeddings.weight.device
+        logits_at = None if batch.logits_at is None else torch.tensor(batch.logits_at, device=device)
+        run = self.compiled_decode if self.compiled_decode is not None and not batch.chunks else self.run_layers
+        return run(*self.layer_inputs(batch), logits_at)
+
+    def layer_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Attend]:
+        """run_layers' inputs for batch: the embeddings, the rotary table at each position
+        (gathered outside the graph: a view's offset would recompile at each position), and
+        the attention's tensors."""
+        device = self.tok_embeddings.weight.device
         tokens = torch.tensor(batch.tokens, device=device)
         positions = torch.tensor(batch.positions, device=device)
-        attend = self.attend(batch, positions)
-        logits_at = None if batch.logits_at is None else torch.tensor(batch.logits_at, device=device)
-        # the freqs are gathered outside the graph: a view's offset would recompile at each position
-        run = self.compiled_decode if self.compiled_decode is not None and not batch.chunks else self.run_layers
-        return run(self.embed(tokens).unsqueeze(0), self.freqs_cis[positions], attend, logits_at)
+        return self.embed(tokens).unsqueeze(0), self.freqs_cis[positions], self.attend(batch, positions)
 
     @torch.inference_mode()
     def bucketed_decode(self, batch: Batch, rows: int | None = None, width: int | None = None,
@@ -461,14 +466,11 @@ class Transformer(nn.Module):
         tables = [b + [0] * (width - len(b)) for b in batch.decode_blocks] + [[scratch] * width] * pad
         padded = Batch(tokens=batch.tokens + [0] * pad, positions=batch.positions + [padding_position] * pad,
                        slots=batch.slots + [scratch * size] * pad, n_decode=rows, decode_blocks=tables)
-        device = self.tok_embeddings.weight.device
-        tokens = torch.tensor(padded.tokens, device=device)
-        positions = torch.tensor(padded.positions, device=device)
-        attend = self.attend(padded, positions)
+        inputs = self.layer_inputs(padded)
         torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs may be overwritten now
-        logits = self.compiled_decode(self.embed(tokens).unsqueeze(0), self.freqs_cis[positions], attend, None)
+        logits = self.compiled_decode(*inputs, None)
         wanted = torch.tensor(list(range(n) if batch.logits_at is None else batch.logits_at), dtype=torch.long,
-                              device=device)
+                              device=logits.device)
         return logits[wanted]  # a copy: the graph's output buffer is overwritten by its next replay
 
     def attend(self, batch: Batch, positions: torch.Tensor) -> Attend:
