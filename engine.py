@@ -6,9 +6,13 @@ and leave between steps (continuous batching), and a prompt whose beginning is c
 (prefix caching) computes only the rest.
 
 Every tensor-parallel rank must make the same calls in the same order: the scheduler
-decides alike on every rank, and the sampled tokens are broadcast from rank 0."""
+decides alike on every rank, and the sampled tokens are broadcast from rank 0.
+
+A server runs the steps on the engine's own thread (start, then wait), so that they
+overlap what it does meanwhile; run() and step() work on the caller's thread too."""
 
 import itertools
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -32,6 +36,12 @@ class Engine:
         self.pool = BlockPool(model.num_blocks, model.block_size, prefix_caching)
         self.scheduler = Scheduler(self.pool, max_seqs or model.params.max_batch_size, max_batched_tokens)
         self.ids = itertools.count()
+        # The model runs on a thread of the engine's own (start, wait), so that a server's
+        # round trip overlaps the steps; torch captures and replays CUDA graphs per thread,
+        # so compiling happens there too, and the thread works on this rank's GPU.
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=use_device,
+                                         initargs=(self.device,))
+        self.pending: Future | None = None
 
     @property
     def running(self) -> list[Sequence]:
@@ -81,6 +91,18 @@ class Engine:
         """Forget a sequence (finished, or its request gone): its blocks go back to the pool."""
         if seq in self.scheduler.running or seq in self.scheduler.waiting:
             self.scheduler.remove(seq)
+
+    def start(self, fn, *args):
+        """fn(*args) (run(), or the model's compile_decode) on the engine's thread. Until
+        wait(), the caller touches neither the engine nor its sequences."""
+        assert self.pending is None, "wait() for what the engine runs before starting more"
+        self.pending = self.thread.submit(fn, *args)
+
+    def wait(self):
+        """What the function start() began returned (None if nothing was started); its
+        exception is raised here."""
+        pending, self.pending = self.pending, None
+        return None if pending is None else pending.result()
 
     def run(self, max_steps: int) -> int:
         """Up to max_steps steps, fewer when a step gives a sequence its first token or ends
@@ -201,6 +223,11 @@ class Engine:
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top)
             seq.text_offsets.append(offset)
+
+
+def use_device(device: torch.device):
+    if device.type == "cuda":  # a new thread's current device is cuda:0
+        torch.cuda.set_device(device)
 
 
 def tokens_between(seq: Sequence, start: int, end: int) -> list[int]:

@@ -2,11 +2,12 @@
 
 TorchServe (continuousBatching: true) calls handle() again and again with every request in
 flight: new ones with their body, known ones by id. Each call is one iteration: new
-requests' prompts are queued in the engine, the engine takes one step (a token for every
-running sequence, prompts or chunks of them for the ones it admits), and each request gets
-a message only when it has one: its answer, a streamed chunk, or an error. Requests
-without a message this time are left out of the response, so TorchServe keeps them and
-sends them again. torchrun starts one worker per rank; every rank receives the same
+requests' prompts are queued in the engine, each request gets a message only when it has
+one (its answer, a streamed chunk, or an error), and the engine's next step starts (a token
+for every running sequence, prompts or chunks of them for the ones it admits) on a thread
+of its own, so that it runs while TorchServe carries the messages out and brings the next
+batch. Requests without a message this time are left out of the response, so TorchServe
+keeps them and sends them again. torchrun starts one worker per rank; every rank receives the same
 requests in the same order and does the same work, and only rank 0's answers go out.
 """
 
@@ -43,7 +44,7 @@ JSON = "application/json"
 # What a model-config.yaml that leaves a handler key out gets (README: Configuration). The
 # tokenizer defaults to <checkpoint>/tokenizer.model; limits and defaults to api's dataclasses.
 SETTINGS = {"checkpoint": "weights", "max_seq_len": 512, "dtype": "auto", "compile": False, "kv_cache_bytes": 0,
-            "max_batched_tokens": "auto", "steps_per_iteration": 4, "prefix_caching": True, "quantization": "none"}
+            "max_batched_tokens": "auto", "steps_per_iteration": 1, "prefix_caching": True, "quantization": "none"}
 # Tests only: with LLAMA_TEST_FAULTS=1 in the workers' environment, a request whose prompt holds
 # FAULT.format(where) raises there, so that a test can show what a bug costs: in preprocess,
 # or in a decode step once it has FAULT_AFTER tokens (time for the test to queue others).
@@ -81,7 +82,7 @@ class LlamaHandler(BaseHandler):
         compile_decode = settings.pop("compile")
         kv_cache_bytes = int(settings.pop("kv_cache_bytes"))
         max_batched_tokens = settings.pop("max_batched_tokens")
-        steps_per_iteration = int(settings.pop("steps_per_iteration"))
+        steps_per_iteration = settings.pop("steps_per_iteration")
         prefix_caching = settings.pop("prefix_caching")
         quantization = settings.pop("quantization")
         self.limits = api.dataclass_from(Limits, settings.pop("limits", None), "handler.limits")
@@ -95,6 +96,8 @@ class LlamaHandler(BaseHandler):
             raise ValueError(f"handler.dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
         if max_batched_tokens != "auto" and (type(max_batched_tokens) is not int or max_batched_tokens < 0):
             raise ValueError(f"handler.max_batched_tokens must be auto or a whole number >= 0, got {max_batched_tokens!r}")
+        if type(steps_per_iteration) is not int or steps_per_iteration < 1:
+            raise ValueError(f"handler.steps_per_iteration must be a whole number >= 1, got {steps_per_iteration!r}")
         if quantization not in ("none", *quant.MODES):
             raise ValueError(f"handler.quantization must be none, {' or '.join(quant.MODES)}, got {quantization!r}")
 
@@ -107,12 +110,6 @@ class LlamaHandler(BaseHandler):
                     time.perf_counter() - start, llama.model.params)
         logger.info("tokenizer %s (%s), chat format %s", llama.tokenizer.path, type(llama.tokenizer).__name__,
                     chat_format.format_name(llama.tokenizer))
-        if compile_decode:
-            start = time.perf_counter()
-            llama.model.compile_decode()
-            self.progress("compiled the decode step", seconds=round(time.perf_counter() - start, 1))
-        else:
-            self.progress("not compiled (handler.compile: false)")
         model = llama.model
         if max_batched_tokens == "auto":
             max_batched_tokens = default_token_budget(slots, model.tok_embeddings.weight.is_cuda)
@@ -120,8 +117,15 @@ class LlamaHandler(BaseHandler):
                     "%s tokens per step", model.num_blocks, model.block_size,
                     model.num_blocks * model.kv_block_bytes() / 1e6, "on" if prefix_caching else "off",
                     max_batched_tokens or "unlimited")
-        self.use_engine(Engine(model, llama.tokenizer, slots, max_batched_tokens, prefix_caching),
-                        steps_per_iteration)
+        engine = Engine(model, llama.tokenizer, slots, max_batched_tokens, prefix_caching)
+        if compile_decode:  # on the thread that will run the steps
+            start = time.perf_counter()
+            engine.start(model.compile_decode)
+            engine.wait()
+            self.progress("compiled the decode step", seconds=round(time.perf_counter() - start, 1))
+        else:
+            self.progress("not compiled (handler.compile: false)")
+        self.use_engine(engine, steps_per_iteration)
         self.limits.max_prompts = min(self.limits.max_prompts, slots)
         self.rank0 = self.rank == 0
         self.created = int(time.time())
@@ -145,14 +149,20 @@ class LlamaHandler(BaseHandler):
         """Serve with engine, nothing in flight yet."""
         self.engine, self.tokenizer = engine, engine.tokenizer
         self.steps_per_iteration = steps_per_iteration
-        self.steps, self.engine_ms = 0, 0.0  # of the last iteration
+        self.steps, self.engine_ms = 0, 0.0  # of the last steps waited for
+        self.stepping = False  # steps were under way when this iteration began
         self.jobs: dict[str, Job] = {}  # by TorchServe request id
 
     # --- one iteration: preprocess -> inference -> postprocess (BaseHandler.handle) -------
+    # The engine's steps run on its own thread, started at the end of an iteration: they
+    # overlap TorchServe's round trip (the messages going out, the next batch coming in),
+    # and the next iteration waits for them before it reads the batch.
 
     def preprocess(self, data):
-        """Forget requests TorchServe no longer sends (their client went away) and read the
-        new ones. Returns the messages to send now (errors, the model list), by batch index."""
+        """Wait for the steps the last iteration started, forget the requests TorchServe no
+        longer sends (their client went away) and read the new ones. Returns the messages
+        to send now (errors, the model list), by batch index."""
+        self.stepping = self.wait_for_steps()
         ids = self.context.request_ids
         for req_id in set(self.jobs) - set(ids.values()):
             self.forget(req_id)
@@ -176,31 +186,89 @@ class LlamaHandler(BaseHandler):
         return immediate
 
     def inference(self, immediate):
-        """Engine steps (each one a token for every running sequence, and prompts or chunks
-        of them for the sequences admitted), up to steps_per_iteration: fewer round trips
-        through TorchServe per token, while a first token or an answer goes out after its step."""
+        """Each request's message, by batch index (None: nothing to send yet); then the
+        next steps start. An engine that was idle takes its first steps now, so that a
+        first token goes out in this iteration rather than the next."""
+        if not self.stepping and self.engine.running:
+            self.start_steps()
+            self.wait_for_steps()
+        messages = {}
+        for idx, req_id in self.context.request_ids.items():
+            if idx in immediate:
+                messages[idx] = self.is_http(idx), immediate[idx]
+                continue
+            job = self.jobs[req_id]
+            messages[idx] = job.http, self.message(job)
+            if messages[idx][1] is not None and messages[idx][1][3] != "chunk":
+                self.record_metrics(job)
+                self.forget(req_id)
+        if self.rank0:
+            self.record_engine_metrics()
+        self.start_steps()
+        return messages
+
+    def postprocess(self, messages):
+        """The message of each request that has one; the others are left out (TorchServe
+        keeps them for the next iteration)."""
+        ids = self.context.request_ids
+        out = [""] * len(ids)
+        stream_next = [None] * len(ids)
+        for idx, (http, message) in messages.items():
+            if message is None:
+                del ids[idx]
+                continue
+            out[idx], status, content_type, kind = message
+            self.context.set_response_status(status, "", idx)
+            self.context.set_response_content_type(idx, content_type)
+            # TorchServe turns these flags into the ts_stream_next header: False for a chunk
+            # with more to come, True for the last one. A one-message HTTP answer carries no
+            # header; gRPC's stream call needs it on every message.
+            stream_next[idx] = {"chunk": False, "last": True, "once": None if http else True}[kind]
+        self.context.stopping_criteria = [lambda _, flag=flag: flag for flag in stream_next]
+        return out
+
+    def start_steps(self):
+        """Up to steps_per_iteration engine steps (each one a token for every running
+        sequence, and prompts or chunks of them for the sequences admitted) on the engine's
+        thread, when there is work."""
+        if not self.engine.running:
+            return
+        fault = self.test_faults and FAULT.format("decode") in json.dumps(
+            [j.request.inputs for j in self.jobs.values()
+             if any(not s.done and len(s.tokens) >= FAULT_AFTER for s in j.seqs)])
+        self.engine.start(self.run_steps, fault)
+
+    def run_steps(self, fault: bool) -> tuple[int, float]:
+        """On the engine's thread: the steps, and how long they took (ms)."""
+        if fault:
+            raise RuntimeError("injected fault in decode (LLAMA_TEST_FAULTS=1)")
+        begin = time.perf_counter()
+        steps = self.engine.run(self.steps_per_iteration)
+        return steps, (time.perf_counter() - begin) * 1000
+
+    def wait_for_steps(self) -> bool:
+        """Wait for the steps start_steps began, if any (False: none were). If they failed,
+        the requests with a sequence in the failed step fail; those still waiting go on."""
         try:
-            if self.test_faults:
-                self.inject_fault("decode", [j.request.inputs for j in self.jobs.values()
-                                             if any(not s.done and len(s.tokens) >= FAULT_AFTER for s in j.seqs)])
-            begin = time.perf_counter()
-            self.steps = self.engine.run(self.steps_per_iteration)
-            self.engine_ms = (time.perf_counter() - begin) * 1000
+            result = self.engine.wait()
         except Exception as e:
             logger.exception("engine step failed")
             self.exit_if_a_rank_is_gone()
-            # the requests with a sequence in the failed step fail; those still waiting go on
             failed = set(self.engine.scheduler.running)
             for job in self.jobs.values():
                 if failed.intersection(job.seqs):
                     job.error = RequestError(f"internal error: {e}", None, status=500)
                     for seq in job.seqs:
                         self.engine.release(seq)
+            return True
+        if result is None:
+            return False
+        self.steps, self.engine_ms = result
         now = time.perf_counter()
         for job in self.jobs.values():
             if job.first_token is None and any(s.tokens or s.done for s in job.seqs):
                 job.first_token = now
-        return immediate
+        return True
 
     def exit_if_a_rank_is_gone(self):
         """After a failed step: if the ranks can no longer reach each other (one died), this
@@ -216,36 +284,6 @@ class LlamaHandler(BaseHandler):
             logger.critical("the tensor-parallel ranks cannot reach each other; exiting so that TorchServe "
                             "restarts the worker", exc_info=True)
             os._exit(1)
-
-    def postprocess(self, immediate):
-        """The message of each request that has one; the others are left out (TorchServe
-        keeps them for the next iteration)."""
-        ids = self.context.request_ids
-        out = [""] * len(ids)
-        stream_next = [None] * len(ids)
-        for idx, req_id in list(ids.items()):
-            if idx in immediate:
-                http, message = self.is_http(idx), immediate[idx]
-            else:
-                job = self.jobs[req_id]
-                http, message = job.http, self.message(job)
-            if message is None:
-                del ids[idx]
-                continue
-            out[idx], status, content_type, kind = message
-            self.context.set_response_status(status, "", idx)
-            self.context.set_response_content_type(idx, content_type)
-            # TorchServe turns these flags into the ts_stream_next header: False for a chunk
-            # with more to come, True for the last one. A one-message HTTP answer carries no
-            # header; gRPC's stream call needs it on every message.
-            stream_next[idx] = {"chunk": False, "last": True, "once": None if http else True}[kind]
-            if kind != "chunk" and req_id in self.jobs:
-                self.record_metrics(self.jobs[req_id])
-                self.forget(req_id)
-        self.context.stopping_criteria = [lambda _, flag=flag: flag for flag in stream_next]
-        if self.rank0:
-            self.record_engine_metrics()
-        return out
 
     # --- requests ---------------------------------------------------------------------
 
@@ -300,9 +338,10 @@ class LlamaHandler(BaseHandler):
         # every rank logs this line: the tests compare the ranks' sequence ids, tokens and
         # scheduling decisions (block tables included) so far
         tokens = [s.tokens for s in job.seqs]
-        logger.info("done %s rank=%s seqs=%s tokens=%s decisions=%s", req_id, os.environ.get("RANK", "0"),
-                    [s.id for s in job.seqs], hashlib.sha1(repr(tokens).encode()).hexdigest(),
-                    self.engine.scheduler.digest.hexdigest())
+        logger.info("done %s rank=%s seqs=%s tokens=%s decisions=%s generated=%s", req_id,
+                    os.environ.get("RANK", "0"), [s.id for s in job.seqs],
+                    hashlib.sha1(repr(tokens).encode()).hexdigest(), self.engine.scheduler.digest.hexdigest(),
+                    [len(t) for t in tokens])
 
     def message(self, job: Job):
         """(body, status, content type, kind) for this iteration, or None; kind is "once"

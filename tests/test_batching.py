@@ -112,6 +112,28 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     assert re.search(rf"done {request_id} rank=0 .*", server.log()), "the handler never let the request go"
 
 
+def test_disconnect_stops_decoding_within_a_step(server):
+    """A stream whose client goes away decodes at most one step after TorchServe notices:
+    the client reads 10 tokens and closes; the 11th is under way, a 12th may start before
+    the close reaches TorchServe, and one more starts before the worker hears (steps overlap
+    TorchServe's round trip). The request's 'done' line counts its tokens. (A server that
+    ran several steps per iteration would decode that many more.)"""
+    for _ in range(3):
+        r = server.post(LONG | {"stream": True}, stream=True)
+        lines = r.iter_lines()
+        received = [json.loads(next(lines))["text"] for _ in range(10)]
+        assert all(received)  # one token a line (steps_per_iteration 1; no character split here)
+        r.close()
+        request_id = r.headers["x-request-id"]
+        deadline = time.time() + 30
+        while not (done := re.search(rf"done {request_id} rank=0 .* generated=\[(\d+)\]", server.log())):
+            assert time.time() < deadline, "the handler never let the request go"
+            # TorchServe sends the worker nothing while no request is in flight: one that
+            # is lets the worker learn that the stream is gone and free its blocks
+            server.generate({"prompt": "ping", "max_new_tokens": 1})
+        assert len(received) <= int(done.group(1)) <= len(received) + 3, (done.group(1), received)
+
+
 def test_a_failure_in_preprocess_costs_that_request_only(server, demo_llama):
     """A bug while reading a request (injected: handler.FAULT) costs that request a 500; the
     requests decoding meanwhile and those sent with it are answered as usual, no slot stays

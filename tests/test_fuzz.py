@@ -370,13 +370,15 @@ def test_failed_prefill_frees_its_blocks(demo_llama, monkeypatch):
 
     monkeypatch.setattr(engine_module, "sample", failing_sample)
     h.jobs["bad"] = job({"prompt": ["one", "two", "three"], "temperature": 0.5, "max_new_tokens": 4})
-    h.inference({})
+    h.start_steps()
+    h.wait_for_steps()
     assert h.jobs["bad"].error is not None and h.jobs["bad"].error.status == 500
     assert engine.pool.num_used == 0 and not engine.running
 
     h.jobs["good"] = job({"prompt": "two", "temperature": 0, "max_new_tokens": 4})
     good = h.jobs["good"]
     while not (good.seqs and all(s.done for s in good.seqs)):
-        h.inference({})
+        h.start_steps()
+        h.wait_for_steps()
     expected = demo_llama.text_completion(["two"], 4, temperature=0)[0]
     assert good.error is None and good.seqs[0].text == expected["generation"]
