@@ -7,8 +7,8 @@ one (its answer, a streamed chunk, or an error), and the engine's next step star
 for every running sequence, prompts or chunks of them for the ones it admits) on a thread
 of its own, so that it runs while TorchServe carries the messages out and brings the next
 batch. Requests without a message this time are left out of the response, so TorchServe
-keeps them and sends them again. torchrun starts one worker per rank; every rank receives the same
-requests in the same order and does the same work, and only rank 0's answers go out.
+keeps them and sends them again. torchrun starts one worker per rank; every rank receives
+the same requests in the same order and does the same work, and only rank 0's answers go out.
 """
 
 import hashlib
@@ -150,7 +150,7 @@ class LlamaHandler(BaseHandler):
         self.engine, self.tokenizer = engine, engine.tokenizer
         self.steps_per_iteration = steps_per_iteration
         self.steps, self.engine_ms = 0, 0.0  # of the last steps waited for
-        self.stepping = False  # steps were under way when this iteration began
+        self.idle = True  # the engine had nothing to do when this iteration's requests came
         self.jobs: dict[str, Job] = {}  # by TorchServe request id
 
     # --- one iteration: preprocess -> inference -> postprocess (BaseHandler.handle) -------
@@ -162,10 +162,11 @@ class LlamaHandler(BaseHandler):
         """Wait for the steps the last iteration started, forget the requests TorchServe no
         longer sends (their client went away) and read the new ones. Returns the messages
         to send now (errors, the model list), by batch index."""
-        self.stepping = self.wait_for_steps()
+        self.wait_for_steps()
         ids = self.context.request_ids
         for req_id in set(self.jobs) - set(ids.values()):
             self.forget(req_id)
+        self.idle = not self.engine.running
         immediate = {}
         for idx, req_id in ids.items():
             if req_id in self.jobs:
@@ -189,7 +190,7 @@ class LlamaHandler(BaseHandler):
         """Each request's message, by batch index (None: nothing to send yet); then the
         next steps start. An engine that was idle takes its first steps now, so that a
         first token goes out in this iteration rather than the next."""
-        if not self.stepping and self.engine.running:
+        if self.idle and self.engine.running:
             self.start_steps()
             self.wait_for_steps()
         messages = {}
@@ -198,8 +199,9 @@ class LlamaHandler(BaseHandler):
                 messages[idx] = self.is_http(idx), immediate[idx]
                 continue
             job = self.jobs[req_id]
-            messages[idx] = job.http, self.message(job)
-            if messages[idx][1] is not None and messages[idx][1][3] != "chunk":
+            message = self.message(job)
+            messages[idx] = job.http, message
+            if message is not None and message[3] != "chunk":  # the request's last message
                 self.record_metrics(job)
                 self.forget(req_id)
         if self.rank0:
@@ -246,9 +248,9 @@ class LlamaHandler(BaseHandler):
         steps = self.engine.run(self.steps_per_iteration)
         return steps, (time.perf_counter() - begin) * 1000
 
-    def wait_for_steps(self) -> bool:
-        """Wait for the steps start_steps began, if any (False: none were). If they failed,
-        the requests with a sequence in the failed step fail; those still waiting go on."""
+    def wait_for_steps(self):
+        """Wait for the steps start_steps began, if any. If they failed, the requests with
+        a sequence in the failed step fail; those still waiting go on."""
         try:
             result = self.engine.wait()
         except Exception as e:
@@ -260,15 +262,14 @@ class LlamaHandler(BaseHandler):
                     job.error = RequestError(f"internal error: {e}", None, status=500)
                     for seq in job.seqs:
                         self.engine.release(seq)
-            return True
+            return
         if result is None:
-            return False
+            return
         self.steps, self.engine_ms = result
         now = time.perf_counter()
         for job in self.jobs.values():
             if job.first_token is None and any(s.tokens or s.done for s in job.seqs):
                 job.first_token = now
-        return True
 
     def exit_if_a_rank_is_gone(self):
         """After a failed step: if the ranks can no longer reach each other (one died), this
