@@ -168,6 +168,39 @@ def test_prefix_hit_computes_only_the_rest():
     assert second.tokens == s.tokens
 
 
+def test_steps_started_on_the_engine_thread_equal_the_callers():
+    """start(run) runs on the engine's own thread, not the caller's; the tokens are those of
+    steps run in the caller's thread; a step's exception reaches wait(); a second start
+    before wait() is refused."""
+    import threading
+
+    llama = demo()
+    tok, params = llama.tokenizer, SamplingParams(max_gen_len=8, temperature=0)
+    prompt = tok.encode("Once upon a time", bos=True, eos=False)
+    inline = Engine(llama.model, tok)
+    expected = inline.add(prompt, params)
+    while inline.running:
+        inline.step()
+    engine = Engine(llama.model, tok)
+    seq = engine.add(prompt, params)
+    threads = set()
+    while engine.running:
+        engine.start(lambda: threads.add(threading.current_thread()) or engine.run(3))
+        with pytest.raises(AssertionError, match="wait"):
+            engine.start(engine.run, 1)
+        assert engine.wait() >= 1
+    assert seq.tokens == expected.tokens and threading.current_thread() not in threads and len(threads) == 1
+    assert engine.wait() is None  # nothing started
+
+    engine.add(prompt, params)
+    engine.start(engine.step)
+    engine.wait()
+    llama.model.forward_batch = lambda batch: 1 / 0
+    engine.start(engine.step)
+    with pytest.raises(ZeroDivisionError):
+        engine.wait()
+
+
 def test_blocks_running_out_preempt_and_recompute():
     """A pool of 9 blocks of 16 tokens for four sequences of 33-44 tokens: some are
     preempted and recomputed, none fails, and every one gets the tokens it gets alone."""

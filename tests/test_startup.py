@@ -380,3 +380,22 @@ def test_a_config_without_handler_keys_gets_the_defaults(tmp_path, monkeypatch):
     assert h.engine.model.tok_embeddings.weight.dtype == torch.float32  # dtype auto on CPU
     assert h.engine.model.compiled_decode is None
     assert h.engine.scheduler.max_batched_tokens == 64  # max_batched_tokens auto on CPU
+
+
+@pytest.mark.parametrize("setting, value, message", [
+    ("steps_per_iteration", 0, "handler.steps_per_iteration must be a whole number >= 1, got 0"),
+    ("steps_per_iteration", "4", "handler.steps_per_iteration must be a whole number >= 1, got '4'"),
+    ("max_batched_tokens", -1, "handler.max_batched_tokens must be auto or a whole number >= 0, got -1"),
+    ("compile", "yes", "handler.compile must be true or false, got 'yes'"),
+])
+def test_the_handler_refuses_a_bad_setting_by_name(setting, value, message):
+    """A wrong value in model-config.yaml's handler section stops the worker at load with the
+    setting's name, before any weights are read."""
+    import types
+
+    import handler
+
+    ctx = types.SimpleNamespace(model_yaml_config={"continuousBatching": True, "handler": {setting: value}},
+                                system_properties={"model_dir": DEMO})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        handler.LlamaHandler().initialize(ctx)
