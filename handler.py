@@ -2,12 +2,12 @@
 
 TorchServe (continuousBatching: true) calls handle() again and again with every request in
 flight: new ones with their body, known ones by id. Each call is one iteration: new
-requests' prompts are queued in the engine, each request gets a message only when it has
-one (its answer, a streamed chunk, or an error), and the engine's next step starts (a token
-for every running sequence, prompts or chunks of them for the ones it admits) on a thread
-of its own, so that it runs while TorchServe carries the messages out and brings the next
-batch. Requests without a message this time are left out of the response, so TorchServe
-keeps them and sends them again. torchrun starts one worker per rank; every rank receives
+requests' prompts are queued in the engine, the engine steps (a token for every running
+sequence, prompts or chunks of them for the ones it admits), and each request gets a
+message only when it has one: its answer, a streamed chunk, or an error. With
+handler.overlap, the steps run on the engine's thread between iterations, while TorchServe
+carries the messages out and brings the next batch. Requests without a message this time
+are left out of the response, so TorchServe keeps them and sends them again. torchrun starts one worker per rank; every rank receives
 the same requests in the same order and does the same work, and only rank 0's answers go out.
 """
 
@@ -27,7 +27,7 @@ import chat_format
 import openai_api
 import quant
 from api import Defaults, Job, Limits, RequestError
-from engine import Engine
+from engine import Engine, overlap_by_default
 from llama2 import tp_llama
 from scheduler import default_token_budget
 
@@ -44,7 +44,7 @@ JSON = "application/json"
 # What a model-config.yaml that leaves a handler key out gets (README: Configuration). The
 # tokenizer defaults to <checkpoint>/tokenizer.model; limits and defaults to api's dataclasses.
 SETTINGS = {"checkpoint": "weights", "max_seq_len": 512, "dtype": "auto", "compile": False, "kv_cache_bytes": 0,
-            "max_batched_tokens": "auto", "steps_per_iteration": 1, "prefix_caching": True, "quantization": "none"}
+            "max_batched_tokens": "auto", "overlap": "auto", "steps_per_iteration": "auto", "prefix_caching": True, "quantization": "none"}
 # Tests only: with LLAMA_TEST_FAULTS=1 in the workers' environment, a request whose prompt holds
 # FAULT.format(where) raises there, so that a test can show what a bug costs: in preprocess,
 # or in a decode step once it has FAULT_AFTER tokens (time for the test to queue others).
@@ -82,6 +82,7 @@ class LlamaHandler(BaseHandler):
         compile_decode = settings.pop("compile")
         kv_cache_bytes = int(settings.pop("kv_cache_bytes"))
         max_batched_tokens = settings.pop("max_batched_tokens")
+        overlap = settings.pop("overlap")
         steps_per_iteration = settings.pop("steps_per_iteration")
         prefix_caching = settings.pop("prefix_caching")
         quantization = settings.pop("quantization")
@@ -96,8 +97,10 @@ class LlamaHandler(BaseHandler):
             raise ValueError(f"handler.dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
         if max_batched_tokens != "auto" and (type(max_batched_tokens) is not int or max_batched_tokens < 0):
             raise ValueError(f"handler.max_batched_tokens must be auto or a whole number >= 0, got {max_batched_tokens!r}")
-        if type(steps_per_iteration) is not int or steps_per_iteration < 1:
-            raise ValueError(f"handler.steps_per_iteration must be a whole number >= 1, got {steps_per_iteration!r}")
+        if overlap not in ("auto", True, False):
+            raise ValueError(f"handler.overlap must be auto, true or false, got {overlap!r}")
+        if steps_per_iteration != "auto" and (type(steps_per_iteration) is not int or steps_per_iteration < 1):
+            raise ValueError(f"handler.steps_per_iteration must be auto or a whole number >= 1, got {steps_per_iteration!r}")
         if quantization not in ("none", *quant.MODES):
             raise ValueError(f"handler.quantization must be none, {' or '.join(quant.MODES)}, got {quantization!r}")
 
@@ -111,12 +114,19 @@ class LlamaHandler(BaseHandler):
         logger.info("tokenizer %s (%s), chat format %s", llama.tokenizer.path, type(llama.tokenizer).__name__,
                     chat_format.format_name(llama.tokenizer))
         model = llama.model
+        on_gpu = model.tok_embeddings.weight.is_cuda
         if max_batched_tokens == "auto":
-            max_batched_tokens = default_token_budget(slots, model.tok_embeddings.weight.is_cuda)
+            max_batched_tokens = default_token_budget(slots, on_gpu)
+        if overlap == "auto":  # the threads of this machine's ranks against its cores
+            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+            overlap = overlap_by_default(on_gpu, len(os.sched_getaffinity(0)), ranks_here * torch.get_num_threads())
+        if steps_per_iteration == "auto":  # overlapped steps hide the round trip; in turn, 4 amortize it
+            steps_per_iteration = 1 if overlap else 4
         logger.info("KV cache: %d blocks of %d tokens (%.1f MB on this rank), prefix caching %s, "
-                    "%s tokens per step", model.num_blocks, model.block_size,
+                    "%s tokens per step, %d step(s) per iteration%s", model.num_blocks, model.block_size,
                     model.num_blocks * model.kv_block_bytes() / 1e6, "on" if prefix_caching else "off",
-                    max_batched_tokens or "unlimited")
+                    max_batched_tokens or "unlimited", steps_per_iteration,
+                    ", overlapping TorchServe's round trip" if overlap else "")
         engine = Engine(model, llama.tokenizer, slots, max_batched_tokens, prefix_caching)
         if compile_decode:  # on the thread that will run the steps
             start = time.perf_counter()
@@ -125,7 +135,7 @@ class LlamaHandler(BaseHandler):
             self.progress("compiled the decode step", seconds=round(time.perf_counter() - start, 1))
         else:
             self.progress("not compiled (handler.compile: false)")
-        self.use_engine(engine, steps_per_iteration)
+        self.use_engine(engine, steps_per_iteration, overlap)
         self.limits.max_prompts = min(self.limits.max_prompts, slots)
         self.rank0 = self.rank == 0
         self.created = int(time.time())
@@ -145,18 +155,19 @@ class LlamaHandler(BaseHandler):
         text = " ".join(f"{k}={v}" for k, v in figures.items()).replace("\n", " ")
         logger.info("loading rank=%d/%d: %s%s", self.rank, self.world_size, stage, f"; {text}" if text else "")
 
-    def use_engine(self, engine: Engine, steps_per_iteration: int = 1):
+    def use_engine(self, engine: Engine, steps_per_iteration: int = 1, overlap: bool = True):
         """Serve with engine, nothing in flight yet."""
         self.engine, self.tokenizer = engine, engine.tokenizer
-        self.steps_per_iteration = steps_per_iteration
+        self.steps_per_iteration, self.overlap = steps_per_iteration, overlap
         self.steps, self.engine_ms = 0, 0.0  # of the last steps waited for
         self.idle = True  # the engine had nothing to do when this iteration's requests came
         self.jobs: dict[str, Job] = {}  # by TorchServe request id
 
     # --- one iteration: preprocess -> inference -> postprocess (BaseHandler.handle) -------
-    # The engine's steps run on its own thread, started at the end of an iteration: they
-    # overlap TorchServe's round trip (the messages going out, the next batch coming in),
-    # and the next iteration waits for them before it reads the batch.
+    # With overlap, the engine's steps run on its own thread, started at the end of an
+    # iteration: they overlap TorchServe's round trip (the messages going out, the next
+    # batch coming in), and the next iteration waits for them before it reads the batch.
+    # Without, each iteration runs its steps before it answers.
 
     def preprocess(self, data):
         """Wait for the steps the last iteration started, forget the requests TorchServe no
@@ -187,10 +198,11 @@ class LlamaHandler(BaseHandler):
         return immediate
 
     def inference(self, immediate):
-        """Each request's message, by batch index (None: nothing to send yet); then the
-        next steps start. An engine that was idle takes its first steps now, so that a
-        first token goes out in this iteration rather than the next."""
-        if self.idle and self.engine.running:
+        """Each request's message, by batch index (None: nothing to send yet), after this
+        iteration's steps (without overlap), or after those the last one started (with
+        overlap; then the next ones start). An engine that was idle steps first either way,
+        so that a first token goes out in this iteration rather than the next."""
+        if (self.idle or not self.overlap) and self.engine.running:
             self.start_steps()
             self.wait_for_steps()
         messages = {}
@@ -206,7 +218,8 @@ class LlamaHandler(BaseHandler):
                 self.forget(req_id)
         if self.rank0:
             self.record_engine_metrics()
-        self.start_steps()
+        if self.overlap:
+            self.start_steps()
         return messages
 
     def postprocess(self, messages):

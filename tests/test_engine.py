@@ -11,7 +11,7 @@ import torch
 
 import llama2
 from conftest import DEMO
-from engine import Engine
+from engine import Engine, overlap_by_default
 from engine_worker import CONFIGS, N_NEW, SYSTEM, workload
 from generate import SamplingParams
 from kv_cache import BlockPool, BlockTable, block_hash
@@ -166,6 +166,13 @@ def test_prefix_hit_computes_only_the_rest():
     while alone.running:
         alone.step()
     assert second.tokens == s.tokens
+
+
+def test_steps_overlap_the_server_on_a_gpu_or_with_a_core_left_over():
+    assert overlap_by_default(True, cores=2, threads_in_use=2)
+    assert overlap_by_default(False, cores=3, threads_in_use=2)
+    assert not overlap_by_default(False, cores=2, threads_in_use=2)
+    assert not overlap_by_default(False, cores=16, threads_in_use=16)
 
 
 def test_steps_started_on_the_engine_thread_equal_the_callers():

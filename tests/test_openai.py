@@ -84,8 +84,8 @@ def test_options_stop_seed_logprobs(server, client):
 
 def test_first_stream_event_comes_before_the_end(client):
     """Events go out as tokens are made, not all at the end of the request: one per
-    iteration of (handler.steps_per_iteration, 1) engine step, unless a token ends in the
-    middle of a character (its text waits for the next one)."""
+    iteration of (the tests' server: handler.steps_per_iteration 1) engine step, unless a
+    token ends in the middle of a character (its text waits for the next one)."""
     start = time.perf_counter()
     arrivals = [time.perf_counter() - start for _ in client.completions.create(
         model="llama", prompt="A very long story:", max_tokens=64, temperature=0, stream=True)]

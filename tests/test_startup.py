@@ -380,11 +380,15 @@ def test_a_config_without_handler_keys_gets_the_defaults(tmp_path, monkeypatch):
     assert h.engine.model.tok_embeddings.weight.dtype == torch.float32  # dtype auto on CPU
     assert h.engine.model.compiled_decode is None
     assert h.engine.scheduler.max_batched_tokens == 64  # max_batched_tokens auto on CPU
+    # overlap auto: on this CPU only if a core is left over from torch's threads
+    assert h.overlap == (len(os.sched_getaffinity(0)) > torch.get_num_threads())
+    assert h.steps_per_iteration == (1 if h.overlap else 4)
 
 
 @pytest.mark.parametrize("setting, value, message", [
-    ("steps_per_iteration", 0, "handler.steps_per_iteration must be a whole number >= 1, got 0"),
-    ("steps_per_iteration", "4", "handler.steps_per_iteration must be a whole number >= 1, got '4'"),
+    ("steps_per_iteration", 0, "handler.steps_per_iteration must be auto or a whole number >= 1, got 0"),
+    ("steps_per_iteration", "4", "handler.steps_per_iteration must be auto or a whole number >= 1, got '4'"),
+    ("overlap", "yes", "handler.overlap must be auto, true or false, got 'yes'"),
     ("max_batched_tokens", -1, "handler.max_batched_tokens must be auto or a whole number >= 0, got -1"),
     ("compile", "yes", "handler.compile must be true or false, got 'yes'"),
 ])
