@@ -7,8 +7,9 @@ sequence, prompts or chunks of them for the ones it admits), and each request ge
 message only when it has one: its answer, a streamed chunk, or an error. With
 handler.overlap, the steps run on the engine's thread between iterations, while TorchServe
 carries the messages out and brings the next batch. Requests without a message this time
-are left out of the response, so TorchServe keeps them and sends them again. torchrun starts one worker per rank; every rank receives
-the same requests in the same order and does the same work, and only rank 0's answers go out.
+are left out of the response, so TorchServe keeps them and sends them again. torchrun
+starts one worker per rank; every rank receives the same requests in the same order and
+does the same work, and only rank 0's answers go out.
 """
 
 import hashlib
@@ -202,7 +203,7 @@ class LlamaHandler(BaseHandler):
         iteration's steps (without overlap), or after those the last one started (with
         overlap; then the next ones start). An engine that was idle steps first either way,
         so that a first token goes out in this iteration rather than the next."""
-        if (self.idle or not self.overlap) and self.engine.running:
+        if self.idle or not self.overlap:  # start_steps starts nothing without work
             self.start_steps()
             self.wait_for_steps()
         messages = {}

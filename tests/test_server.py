@@ -62,7 +62,7 @@ def test_sampling_with_seed_reproduces(server):
 
 def test_stop_string_cuts(server, demo_llama):
     """The answer is cut before the stop string, and it ended in the step that completed
-    the stop string, although a TorchServe iteration runs several steps: its usage is the
+    the stop string, although a TorchServe iteration may run several steps: its usage is the
     in-process engine's, which checks after every token."""
     full = server.generate({"prompt": PROMPTS[0]} | GREEDY)["generation"]
     stop = full.split()[3]  # a word the greedy answer contains
