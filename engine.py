@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+import collectives
 from generate import SamplingParams, Sequence, adjust_logits, sample, token_logprobs
 from kv_cache import BlockPool
 from llama2 import Batch
@@ -192,7 +193,7 @@ class Engine:
             return
         next_tokens = sample(adjust_logits(logits, seqs), seqs)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast(next_tokens, src=0)
+            collectives.broadcast(next_tokens, src=0)
         asked = [s.params.top_logprobs for s in seqs if s.params.logprobs]
         if asked:
             chosen, top = token_logprobs(logits, next_tokens, max(asked))

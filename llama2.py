@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import checkpoint
+import collectives
 import generate
 import quant
 from tokenizer import Tokenizer
@@ -217,7 +218,7 @@ class Attention(nn.Module):
             cache.view(n_kv, -1, self.head_dim).index_copy_(1, attend.slots, new.transpose(0, 1))
         out = self.wo(self.attend(xq, xk, xv, attend).reshape(1, n_tokens, -1))
         if self.process_group is not None:
-            dist.all_reduce(out, group=self.process_group)
+            collectives.all_reduce(out, self.process_group)
         return out
 
     def attend(self, xq, xk, xv, attend: Attend) -> torch.Tensor:
@@ -277,7 +278,7 @@ class FeedForward(nn.Module):
         gate, up = self.w13(x).chunk(2, dim=-1)
         out = self.w2(F.silu(gate) * up)
         if self.process_group is not None:
-            dist.all_reduce(out, group=self.process_group)
+            collectives.all_reduce(out, self.process_group)
         return out
 
 
@@ -330,7 +331,7 @@ class Transformer(nn.Module):
         local = tokens - self.embed_start
         inside = (local >= 0) & (local < self.tok_embeddings.num_embeddings)
         h = self.tok_embeddings(local.masked_fill(~inside, 0)).masked_fill_(~inside.unsqueeze(-1), 0.0)
-        dist.all_reduce(h, group=self.embed_group)
+        collectives.all_reduce(h, self.embed_group)
         return h
 
     def setup_caches(self, max_batch_size: int | None = None, max_seq_len: int | None = None,
@@ -503,7 +504,7 @@ class Transformer(nn.Module):
         h = h[0] if logits_at is None else h[0, logits_at]
         logits = self.output(self.norm(h)).float()
         if self.output_group is not None:
-            logits = gather_last_dim(logits, self.output_group)
+            logits = collectives.all_gather_last_dim(logits, self.output_group)
         return logits
 
 
@@ -518,12 +519,6 @@ def buckets(limit: int, first: int) -> list[int]:
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # made once per forward: attention would otherwise convert a boolean mask in every layer
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-
-
-def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
 
 
 def parallelize_llama_attn_block(model: Transformer, world_size: int):
@@ -618,6 +613,7 @@ def init_distributed(world_size: int) -> torch.device:
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+        collectives.setup()
     return device
 
 

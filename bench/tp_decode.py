@@ -7,7 +7,7 @@ generate.generate tokens/s (prompt 32, 64 new tokens, greedy); the raw decode st
 (Transformer.forward of one token per row); and, when N > 1, the collectives of one step
 on their own: 2 all-reduces per layer of (batch, 1, dim) and the all-gather of the logits.
 With --dtensor it also times the same model written with separate wq/wk/wv/w1/w3 (torchtitan's
-layout), sharded two ways: plain local slices + dist.all_reduce (as llama2.py does), and
+layout), sharded two ways: plain local slices + collectives.all_reduce (as llama2.py does), and
 torch's DTensor (parallelize_module with ColwiseParallel/RowwiseParallel). Rank 0 writes OUT.json.
 """
 
@@ -26,6 +26,7 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import checkpoint  # noqa: E402
+import collectives  # noqa: E402
 import generate  # noqa: E402
 import llama2  # noqa: E402
 
@@ -108,9 +109,9 @@ def comm_ms(args: llama2.ModelArgs, batch: int, gather: bool) -> float:
 
     def step():
         for _ in range(2 * args.n_layers):
-            dist.all_reduce(x)
+            collectives.all_reduce(x)
         if gather:
-            llama2.gather_last_dim(logits, dist.group.WORLD)
+            collectives.all_gather_last_dim(logits, dist.group.WORLD)
 
     return median_time(lambda: [step() for _ in range(NEW)], 3) / NEW * 1e3
 
@@ -140,7 +141,7 @@ class Block(nn.Module):
 
     def reduce(self, x):
         if self.plain_group is not None:
-            dist.all_reduce(x, group=self.plain_group)
+            collectives.all_reduce(x, self.plain_group)
         return x
 
     def forward(self, x, pos: int, freqs_cis):
@@ -181,7 +182,7 @@ class SeparateLlama(nn.Module):
             h = layer(h, pos, freqs_cis)
         logits = self.output(self.norm(h))
         if self.gather_group is not None:
-            logits = llama2.gather_last_dim(logits, self.gather_group)
+            logits = collectives.all_gather_last_dim(logits, self.gather_group)
         return logits
 
 

@@ -1,0 +1,160 @@
+"""The collectives of tensor parallelism (all-reduce, all-gather, broadcast). On GPUs they
+are NCCL's. On one host's CPUs they go through a shared-memory segment when the tensor
+fits its slots: gloo's loopback sockets cost 1.6 ms for a 16 KB all-reduce between two
+ranks on a 2-core machine (7.4 ms between four), against about 40 us (0.4 ms) through
+shared memory, and a decode step makes two per layer (BENCHMARKS.md, tensor parallelism
+on CPU). Larger tensors (long prefill chunks) and other hosts' ranks use gloo.
+
+Each rank owns one slot in each of two buffers and a counter of its exchanges. An
+exchange writes the rank's tensor into its slot of buffer n % 2, publishes n, waits until
+every rank has published n, then reads all slots in rank order, so every rank computes
+the same bits. Two buffers suffice: a rank that writes buffer n % 2 again (exchange n + 2)
+has seen every rank publish n + 1, which each does only after reading exchange n.
+LLAMA_CPU_COLLECTIVES=gloo turns the segment off."""
+
+import mmap
+import os
+import platform
+import threading
+import time
+import uuid
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+SLOT_BYTES = 1 << 20  # a rank's part of one buffer: 32 decode rows of dim 8192 in fp32
+SPINS = 100  # polls before a waiting rank yields its core to whoever else needs it
+YIELD_S, NAP_S = 0.002, 0.0001  # after 2 ms of waiting, sleep 0.1 ms between polls
+LIVENESS_S = 0.5  # how often a waiting rank checks that the others are still alive
+
+_channel: "SharedMemoryChannel | None" = None
+
+
+class SharedMemoryChannel:
+    def __init__(self, slot_bytes: int = SLOT_BYTES):
+        """Join the segment of the default process group's ranks (a collective call)."""
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.slot_bytes = slot_bytes
+        path = [f"/dev/shm/llama-tp-{uuid.uuid4().hex}" if self.rank == 0 else None]
+        dist.broadcast_object_list(path, src=0)
+        header = 64 * self.world_size  # a counter per rank, a cache line apart
+        size = header + 2 * self.world_size * slot_bytes
+        if self.rank == 0:
+            with open(path[0], "wb") as f:
+                f.truncate(size)
+        dist.barrier()
+        with open(path[0], "r+b") as f:
+            self.segment = mmap.mmap(f.fileno(), size)
+        dist.barrier()
+        if self.rank == 0:
+            os.unlink(path[0])  # gone from /dev/shm; the mappings stay until the ranks exit
+        self.published = np.frombuffer(self.segment, dtype=np.int64, count=8 * self.world_size)[::8]
+        self.slots = torch.frombuffer(self.segment, dtype=torch.uint8, offset=header,
+                                      count=2 * self.world_size * slot_bytes).view(2, self.world_size, slot_bytes)
+        self.count = 0
+        pids = [None] * self.world_size
+        dist.all_gather_object(pids, os.getpid())
+        self.peers = {r: pid for r, pid in enumerate(pids) if r != self.rank}
+        self.fence = threading.Lock()
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.numel() * x.element_size() <= self.slot_bytes
+
+    def exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x, stacked (world_size, *x.shape) in rank order. The result is a view
+        of the segment: read it before this rank's next exchange."""
+        self.count += 1
+        n_bytes = x.numel() * x.element_size()
+        parts = self.slots[self.count % 2, :, :n_bytes].view(x.dtype).view(self.world_size, *x.shape)
+        parts[self.rank].copy_(x)
+        with self.fence:  # a locked instruction: the copy's stores are visible before the counter's
+            self.published[self.rank] = self.count
+        self.wait(self.count)
+        return parts
+
+    def wait(self, count: int):
+        """Until every rank has published count: polling, then yielding the core to whoever
+        else needs it, then, in a long wait (a rank busy elsewhere), sleeping between polls."""
+        polls, begin = 0, time.monotonic()
+        checked = begin
+        while self.published.min() < count:
+            polls += 1
+            if polls <= SPINS:
+                continue
+            now = time.monotonic()
+            if now - begin < YIELD_S:
+                os.sched_yield()
+            else:
+                time.sleep(NAP_S)
+            if now - checked > LIVENESS_S:
+                self.check_peers()
+                checked = now
+
+    def check_peers(self):
+        """Raise if a rank that this one waits for has died (gloo would see its socket close)."""
+        for rank, pid in self.peers.items():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                state = "gone"
+            if state in ("Z", "X", "gone"):
+                raise RuntimeError(f"tensor-parallel rank {rank} (pid {pid}) is gone")
+
+
+def setup():
+    """Use shared memory for the default group's collectives when its ranks are this host's
+    CPU processes (x86-64: the ordering of the segment's stores is reasoned for its memory
+    model) unless LLAMA_CPU_COLLECTIVES=gloo. A collective call: every rank makes it."""
+    global _channel
+    if not (dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo"):
+        return
+    wanted = os.environ.get("LLAMA_CPU_COLLECTIVES", "shm")
+    if wanted not in ("shm", "gloo"):
+        raise ValueError(f"LLAMA_CPU_COLLECTIVES must be shm or gloo, got {wanted!r}")
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, platform.node())
+    if wanted == "shm" and len(set(hosts)) == 1 and platform.machine() in ("x86_64", "AMD64"):
+        _channel = SharedMemoryChannel()
+
+
+def in_segment(x: torch.Tensor, group) -> bool:
+    return _channel is not None and group in (None, dist.group.WORLD) and _channel.fits(x)
+
+
+def all_reduce(x: torch.Tensor, group=None):
+    """Sum x over the ranks, in place."""
+    if in_segment(x, group):
+        reduce_in_segment(x)
+    else:
+        dist.all_reduce(x, group=group)
+
+
+def all_gather_last_dim(x: torch.Tensor, group=None) -> torch.Tensor:
+    """The ranks' x concatenated along the last dimension, in rank order."""
+    if in_segment(x, group):
+        return gather_in_segment(x)
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def broadcast(x: torch.Tensor, src: int = 0):
+    """Rank src's x on every rank, in place."""
+    if in_segment(x, None):
+        x.copy_(_channel.exchange(x)[src])
+    else:
+        dist.broadcast(x, src=src)
+
+
+# Inside a compiled decode step these run eagerly (a graph break): they poll the segment.
+
+@torch.compiler.disable
+def reduce_in_segment(x: torch.Tensor):
+    torch.sum(_channel.exchange(x), dim=0, out=x)
+
+
+@torch.compiler.disable
+def gather_in_segment(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat(_channel.exchange(x).unbind(0), dim=-1)

@@ -1,0 +1,42 @@
+"""collectives.py on CPU: through the shared-memory segment, the tensor-parallel collectives
+give what gloo gives for the same inputs (the same bits at TP=2, where a sum has one
+order; within rounding at TP=4), every rank gets the same bits, tensors larger than a
+slot go through gloo, and a rank that dies makes the others raise instead of waiting for
+ever. The model's own TP tests (test_tp.py, test_generate_tp.py) run through it too."""
+
+import pytest
+import torch
+
+from collectives_worker import inputs
+from torchrun import run
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_collectives_equal_gloo_on_every_rank(tmp_path, world_size):
+    results = run("collectives_worker.py", world_size, tmp_path, "ops")
+    assert all(r["segment"] for r in results), "the shared-memory segment is not in use"
+    sent = [inputs(rank) for rank in range(world_size)]
+    for i, (op, mine, theirs) in enumerate(results[0]["results"]):
+        assert mine.dtype == theirs.dtype and mine.shape == theirs.shape, (i, op)
+        if world_size == 2 or op != "all_reduce" or mine.dtype == torch.int64:
+            assert torch.equal(mine, theirs), (i, op, mine.dtype)
+        else:  # four ranks: gloo adds in another order, rounding each sum; the segment rounds once
+            exact = sum(s[i][1].double() for s in sent)
+            bound = world_size * torch.finfo(mine.dtype).eps * sum(s[i][1].double().abs() for s in sent)
+            assert ((mine.double() - exact).abs() <= bound).all(), (i, op, mine.dtype)
+        for rank in range(1, world_size):
+            assert torch.equal(results[rank]["results"][i][1], mine), (i, op, rank)
+
+
+def test_gloo_only_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMA_CPU_COLLECTIVES", "gloo")
+    results = run("collectives_worker.py", 2, tmp_path, "ops")
+    assert not any(r["segment"] for r in results)
+    assert all(torch.equal(mine, theirs) for _, mine, theirs in results[0]["results"])
+
+
+def test_a_dead_rank_is_an_error_not_a_hang(tmp_path):
+    results = run("collectives_worker.py", 2, tmp_path, "peer-dies", timeout=120)
+    assert results[0]["segment"]
+    assert results[0]["error"] and "rank 1" in results[0]["error"], results[0]
+    assert results[0]["seconds"] < 10, results[0]
