@@ -12,6 +12,7 @@ the same bits. Two buffers suffice: a rank that writes buffer n % 2 again (excha
 has seen every rank publish n + 1, which each does only after reading exchange n.
 LLAMA_CPU_COLLECTIVES=gloo turns the segment off."""
 
+import logging
 import mmap
 import os
 import platform
@@ -27,6 +28,9 @@ SLOT_BYTES = 1 << 20  # a rank's part of one buffer: 32 decode rows of dim 8192 
 SPINS = 100  # polls before a waiting rank yields its core to whoever else needs it
 YIELD_S, NAP_S = 0.002, 0.0001  # after 2 ms of waiting, sleep 0.1 ms between polls
 LIVENESS_S = 0.5  # how often a waiting rank checks that the others are still alive
+SEGMENTS = "/dev/shm"  # where the segment's file is made: memory, not disk
+
+logger = logging.getLogger(__name__)
 
 _channel: "SharedMemoryChannel | None" = None
 
@@ -36,14 +40,12 @@ class SharedMemoryChannel:
         """Join the segment of the default process group's ranks (a collective call)."""
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.slot_bytes = slot_bytes
-        path = [f"/dev/shm/llama-tp-{uuid.uuid4().hex}" if self.rank == 0 else None]
-        dist.broadcast_object_list(path, src=0)
         header = 64 * self.world_size  # a counter per rank, a cache line apart
         size = header + 2 * self.world_size * slot_bytes
-        if self.rank == 0:
-            with open(path[0], "wb") as f:
-                f.truncate(size)
-        dist.barrier()
+        path = [make_segment(size) if self.rank == 0 else None]
+        dist.broadcast_object_list(path, src=0)
+        if path[0] is None:  # on every rank alike
+            raise OSError(f"cannot make a shared-memory segment of {size} bytes in {SEGMENTS}")
         with open(path[0], "r+b") as f:
             self.segment = mmap.mmap(f.fileno(), size)
         dist.barrier()
@@ -116,7 +118,24 @@ def setup():
     hosts = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, platform.node())
     if wanted == "shm" and len(set(hosts)) == 1 and platform.machine() in ("x86_64", "AMD64"):
-        _channel = SharedMemoryChannel()
+        try:
+            _channel = SharedMemoryChannel()
+        except OSError as e:
+            logger.warning("%s; the collectives go through gloo", e)
+
+
+def make_segment(size: int) -> str | None:
+    """A new file of size bytes in SEGMENTS, its memory reserved (a full /dev/shm would
+    otherwise fail later, at a write, with SIGBUS); None if there is no room."""
+    path = os.path.join(SEGMENTS, f"llama-tp-{uuid.uuid4().hex}")
+    try:
+        with open(path, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, size)
+        return path
+    except OSError:
+        if os.path.exists(path):
+            os.unlink(path)
+        return None
 
 
 def in_segment(x: torch.Tensor, group) -> bool:

@@ -12,6 +12,7 @@ A server runs the steps on the engine's own thread (start, then wait), so that t
 overlap what it does meanwhile; run() and step() work on the caller's thread too."""
 
 import itertools
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -43,6 +44,7 @@ class Engine:
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=use_device,
                                          initargs=(self.device,))
         self.pending: Future | None = None
+        self.pace = 0.0  # seconds per step in the last run(), 0 before the first
 
     @property
     def running(self) -> list[Sequence]:
@@ -105,14 +107,31 @@ class Engine:
         pending, self.pending = self.pending, None
         return None if pending is None else pending.result()
 
-    def run(self, max_steps: int) -> int:
-        """Up to max_steps steps, fewer when a step gives a sequence its first token or ends
-        one (whoever waits for it hears at once) or leaves nothing to run. The same on
-        every rank: the decision depends on the sequences only. Returns the steps taken."""
-        for n in range(1, max_steps + 1):
+    def run(self, max_steps: int, seconds: float = 0.0) -> int:
+        """Up to max_steps steps; given seconds, only as many as fit in that time at the
+        pace of the last run's steps (at least one). Fewer when a step gives a sequence its
+        first token or ends one (whoever waits for it hears at once) or leaves nothing to
+        run. The same on every rank: the count is rank 0's, and the rest depends on the
+        sequences only. Returns the steps taken."""
+        if seconds:
+            max_steps = self.steps_within(seconds, max_steps)
+        begin = time.perf_counter()
+        n = 0
+        while n < max_steps:
+            n += 1
             if self.step() or not self.running:
-                return n
-        return max_steps
+                break
+        self.pace = (time.perf_counter() - begin) / n
+        return n
+
+    def steps_within(self, seconds: float, max_steps: int) -> int:
+        """How many steps of the last run's pace fit in seconds (1 to max_steps), by rank 0's
+        clock: each rank's own would differ, and the ranks must take the same steps."""
+        steps = torch.tensor([max(1, min(max_steps, int(seconds / self.pace))) if self.pace else 1],
+                             device=self.device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            collectives.broadcast(steps, src=0)
+        return int(steps)
 
     def step(self) -> bool:
         """One forward pass over this step's work, and a token for each sequence whose

@@ -10,7 +10,7 @@
    says when they do not). The same with the weights quantized to int8 and int4
    (tp_llama(quantization=...), quant.py), whose roofline counts their quantized bytes;
    the quantization targets are printed as ratios measured in the same run.
-2. Under torchrun (gloo, bench/tp_decode.py): TP=1 and TP=2 with 1 or 2 threads per rank
+2. Under torchrun (bench/tp_decode.py; collectives.py's shared memory): TP=1 and TP=2 with 1 or 2 threads per rank
    (OMP_NUM_THREADS, which TorchServe sets from model-config.yaml), the time of a step's
    collectives, and, at TP=2, our plain sharding against torch's DTensor.
 
@@ -274,7 +274,8 @@ def tp_section(tp: dict) -> list[str]:
         "",
         "### Tensor parallelism on CPU: TP=1 against TP=2, and threads per rank",
         "",
-        "Each configuration runs bench/tp_decode.py under torchrun (gloo), eager, with OMP_NUM_THREADS as "
+        "Each configuration runs bench/tp_decode.py under torchrun (gloo process group; the collectives go "
+        "through collectives.py's shared-memory segment), eager, with OMP_NUM_THREADS as "
         "TorchServe sets it from model-config.yaml's `torchrun: OMP_NUMBER_THREADS`. *collectives*: the time of "
         "one step's collectives on their own (2 all-reduces of batch × dim floats per layer, and the all-gather "
         "of the logits), the ranks starting them together.",
@@ -300,8 +301,8 @@ def tp_section(tp: dict) -> list[str]:
         "### TP=2: plain sharding against DTensor",
         "",
         "Decode step (ms) at TP=2 with 1 thread per rank. *ours*: llama2.py (fused wqkv and w13, local tensors, "
-        "dist.all_reduce). *separate, plain*: the same model written with separate wq/wk/wv/w1/w3 (torchtitan's "
-        "layout), local slices and dist.all_reduce. *separate, DTensor*: that model through parallelize_module "
+        "collectives.all_reduce). *separate, plain*: the same model written with separate wq/wk/wv/w1/w3 "
+        "(torchtitan's layout), local slices and collectives.all_reduce. *separate, DTensor*: that model through parallelize_module "
         "(ColwiseParallel for wq/wk/wv/w1/w3 and the output, RowwiseParallel for wo/w2). Max |Δ logits|: "
         "against ours, on a 32-token prefill.",
         "",

@@ -1,11 +1,11 @@
 """A rank for test_collectives.py, started by torchrun (tests/torchrun.py):
 
-    collectives_worker.py OUT_DIR ops|peer-dies
+    collectives_worker.py OUT_DIR ops|no-room|peer-dies
 
 ops: a run of all-reduces, all-gathers and broadcasts of varied shapes and dtypes, some
 larger than a shared-memory slot (gloo then), the ranks reaching them at different
 moments; each result next to gloo's for the same input. Saves whether the segment is in
-use and the results to OUT_DIR/rank{r}.pt.
+use and the results to OUT_DIR/rank{r}.pt. no-room: the same where the segment cannot be made.
 peer-dies: rank 1 exits; rank 0's next all-reduce must raise, naming rank 1, rather than
 wait for ever. Rank 0 saves the error and how long it took."""
 
@@ -63,6 +63,8 @@ def run_ops(rank: int) -> list:
 
 def main():
     out_dir, mode = sys.argv[1], sys.argv[2]
+    if mode == "no-room":  # no place for the segment: gloo
+        collectives.SEGMENTS, mode = os.path.join(out_dir, "missing"), "ops"
     llama2.init_distributed(int(os.environ["WORLD_SIZE"]))
     rank = dist.get_rank()
     out = {"segment": collectives._channel is not None}

@@ -50,6 +50,23 @@ def workload(llama, caching: bool, budget: int, max_seqs: int = 4) -> dict:
             "queries": engine.pool.queries, "hits": engine.pool.hits, "preemptions": engine.scheduler.preemptions}
 
 
+def budgeted(llama, slow: bool) -> dict:
+    """One sequence decoded by run(16, seconds=0.03) until done, this rank's pace taken as
+    three times what it measured when slow (as if the ranks' clocks disagreed), and the same
+    sequence decoded a step at a time. Returns the steps each run took and both token lists."""
+    prompt = llama.tokenizer.encode("Once upon a time", bos=True, eos=False)
+    params = SamplingParams(max_gen_len=40, temperature=0, ignore_eos=True)
+    engine = Engine(llama.model, llama.tokenizer)
+    plain = engine.add(prompt, params)
+    while engine.running:
+        engine.step()
+    seq, runs = engine.add(prompt, params), []
+    while engine.running:
+        runs.append(engine.run(16, seconds=0.03))
+        engine.pace *= 3 if slow else 1
+    return {"runs": runs, "tokens": seq.tokens, "plain": plain.tokens}
+
+
 def main():
     import torch.distributed as dist
 
@@ -59,6 +76,7 @@ def main():
     world_size = int(os.environ["WORLD_SIZE"])
     llama = llama2.tp_llama(None, folder, None, world_size, max_batch_size=4, max_seq_len=256)
     result = {config: workload(llama, *config) for config in CONFIGS}
+    result["budgeted"] = budgeted(llama, slow=dist.get_rank() == 1)
     torch.save(result, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -28,9 +28,11 @@ def test_collectives_equal_gloo_on_every_rank(tmp_path, world_size):
             assert torch.equal(results[rank]["results"][i][1], mine), (i, op, rank)
 
 
-def test_gloo_only_when_asked(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLAMA_CPU_COLLECTIVES", "gloo")
-    results = run("collectives_worker.py", 2, tmp_path, "ops")
+@pytest.mark.parametrize("why", ["asked", "no room"])
+def test_gloo_when_asked_or_without_room(tmp_path, monkeypatch, why):
+    if why == "asked":
+        monkeypatch.setenv("LLAMA_CPU_COLLECTIVES", "gloo")
+    results = run("collectives_worker.py", 2, tmp_path, "ops" if why == "asked" else "no-room")
     assert not any(r["segment"] for r in results)
     assert all(torch.equal(mine, theirs) for _, mine, theirs in results[0]["results"])
 

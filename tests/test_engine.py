@@ -232,8 +232,26 @@ def test_blocks_running_out_preempt_and_recompute():
     assert engine.pool.num_used == 0
 
 
+def test_run_takes_the_steps_that_fit_in_its_time():
+    """run(max_steps, seconds) takes as many steps as fit in seconds at the last run's pace,
+    at least one and at most max_steps; it still ends at a first token."""
+    llama = demo()
+    engine = Engine(llama.model, llama.tokenizer)
+    engine.add(llama.tokenizer.encode("Once upon a time", bos=True, eos=False),
+               SamplingParams(max_gen_len=64, temperature=0, ignore_eos=True))
+    assert engine.run(16, seconds=60) == 1  # the prefill gives the first token; no pace yet
+    assert engine.run(16, seconds=60) == 16 and engine.pace > 0
+    assert engine.run(16, seconds=engine.pace * 3.5) == 3
+    assert engine.run(16, seconds=1e-9) == 1
+
+
 def test_tp2_ranks_decide_alike_and_match_tp1(results, tmp_path):
+    """At TP=2 the ranks' schedulers decide alike and give TP=1's tokens; in run(16, seconds),
+    with one rank's steps slower than the other's, both take rank 0's count of steps."""
     ranks = run("engine_worker.py", 2, tmp_path, DEMO)
+    budgeted = [r["budgeted"] for r in ranks]
+    assert budgeted[0]["runs"] == budgeted[1]["runs"] and max(budgeted[0]["runs"]) > 1, budgeted[0]["runs"]
+    assert all(b["tokens"] == b["plain"] == budgeted[0]["plain"] for b in budgeted)
     for config in CONFIGS:
         assert ranks[0][config]["digest"] == ranks[1][config]["digest"], config
         for rank in ranks:
