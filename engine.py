@@ -107,14 +107,14 @@ class Engine:
         pending, self.pending = self.pending, None
         return None if pending is None else pending.result()
 
-    def run(self, max_steps: int, seconds: float = 0.0) -> int:
+    def run(self, max_steps: int, seconds: float = 0.0, min_steps: int = 1) -> int:
         """Up to max_steps steps; given seconds, only as many as fit in that time at the
-        pace of the last run's steps (at least one). Fewer when a step gives a sequence its
-        first token or ends one (whoever waits for it hears at once) or leaves nothing to
-        run. The same on every rank: the count is rank 0's, and the rest depends on the
-        sequences only. Returns the steps taken."""
+        pace of the last run's steps, but at least min_steps. Fewer when a step gives a
+        sequence its first token or ends one (whoever waits for it hears at once) or leaves
+        nothing to run. The same on every rank: the count is rank 0's, and the rest depends
+        on the sequences only. Returns the steps taken."""
         if seconds:
-            max_steps = self.steps_within(seconds, max_steps)
+            max_steps = self.steps_within(seconds, min_steps, max_steps)
         begin = time.perf_counter()
         n = 0
         while n < max_steps:
@@ -124,11 +124,11 @@ class Engine:
         self.pace = (time.perf_counter() - begin) / n
         return n
 
-    def steps_within(self, seconds: float, max_steps: int) -> int:
-        """How many steps of the last run's pace fit in seconds (1 to max_steps), by rank 0's
-        clock: each rank's own would differ, and the ranks must take the same steps."""
-        steps = torch.tensor([max(1, min(max_steps, int(seconds / self.pace))) if self.pace else 1],
-                             device=self.device)
+    def steps_within(self, seconds: float, min_steps: int, max_steps: int) -> int:
+        """How many steps of the last run's pace fit in seconds (min_steps to max_steps), by
+        rank 0's clock: each rank's own would differ, and the ranks must take the same steps."""
+        fit = int(seconds / self.pace) if self.pace else min_steps
+        steps = torch.tensor([max(min_steps, min(max_steps, fit))], device=self.device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             collectives.broadcast(steps, src=0)
         return int(steps)

@@ -39,10 +39,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ROUTES = {"": "native", "v1/completions": "completions", "v1/chat/completions": "chat", "v1/models": "models",
           "tokenizer_info": "tokenizer_info", "tokenize": "tokenize", "detokenize": "detokenize"}
 AT_ONCE = {"models", "tokenizer_info", "tokenize", "detokenize"}  # answered without decoding
-# Steps in turn with TorchServe's round trip (a few ms): an iteration runs the steps that fit
-# in 100 ms, so that the round trip costs a few percent, and a request that arrives meanwhile
-# waits at most that long to start (BENCHMARKS.md, serving engine).
-IN_TURN_SECONDS, IN_TURN_MAX_STEPS = 0.1, 16
+# Steps in turn with TorchServe's round trip (a few ms): an iteration runs at least 4 steps,
+# more if they fit in 100 ms (at most 16), so that the round trip and the slower first step
+# after it cost little; a request that arrives meanwhile waits that long to start
+# (BENCHMARKS.md, serving engine: fewer steps for slow models measured slower).
+IN_TURN_SECONDS, IN_TURN_STEPS = 0.1, (4, 16)
 JSON = "application/json"
 
 
@@ -125,15 +126,15 @@ class LlamaHandler(BaseHandler):
         if overlap == "auto":  # the threads of this machine's ranks against its cores
             ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
             overlap = overlap_by_default(on_gpu, len(os.sched_getaffinity(0)), ranks_here * torch.get_num_threads())
-        iteration_s = 0.0
-        if steps_per_iteration == "auto":  # overlapped steps hide the round trip; in turn, 100 ms amortize it
-            steps_per_iteration, iteration_s = (1, 0.0) if overlap else (IN_TURN_MAX_STEPS, IN_TURN_SECONDS)
+        steps = (steps_per_iteration, steps_per_iteration, 0.0)  # (at least, at most, seconds)
+        if steps_per_iteration == "auto":  # overlapped steps hide the round trip; in turn, 4+ amortize it
+            steps = (1, 1, 0.0) if overlap else (*IN_TURN_STEPS, IN_TURN_SECONDS)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MB on this rank), prefix caching %s, "
                     "%s tokens per step, %s per iteration%s", model.num_blocks, model.block_size,
                     model.num_blocks * model.kv_block_bytes() / 1e6, "on" if prefix_caching else "off",
                     max_batched_tokens or "unlimited",
-                    f"steps for {iteration_s * 1000:.0f} ms (at most {steps_per_iteration})" if iteration_s
-                    else f"{steps_per_iteration} step(s)", ", overlapping TorchServe's round trip" if overlap else "")
+                    f"{steps[0]} to {steps[1]} steps (those that fit in {steps[2] * 1000:.0f} ms)" if steps[2]
+                    else f"{steps[0]} step(s)", ", overlapping TorchServe's round trip" if overlap else "")
         engine = Engine(model, llama.tokenizer, slots, max_batched_tokens, prefix_caching)
         if compile_decode:  # on the thread that will run the steps
             start = time.perf_counter()
@@ -142,7 +143,7 @@ class LlamaHandler(BaseHandler):
             self.progress("compiled the decode step", seconds=round(time.perf_counter() - start, 1))
         else:
             self.progress("not compiled (handler.compile: false)")
-        self.use_engine(engine, steps_per_iteration, overlap, iteration_s)
+        self.use_engine(engine, steps, overlap)
         self.limits.max_prompts = min(self.limits.max_prompts, slots)
         self.rank0 = self.rank == 0
         self.created = int(time.time())
@@ -162,12 +163,12 @@ class LlamaHandler(BaseHandler):
         text = " ".join(f"{k}={v}" for k, v in figures.items()).replace("\n", " ")
         logger.info("loading rank=%d/%d: %s%s", self.rank, self.world_size, stage, f"; {text}" if text else "")
 
-    def use_engine(self, engine: Engine, steps_per_iteration: int = 1, overlap: bool = True,
-                   iteration_s: float = 0.0):
-        """Serve with engine, nothing in flight yet: up to steps_per_iteration steps per
-        iteration, or as many as fit in iteration_s when given (Engine.run)."""
+    def use_engine(self, engine: Engine, steps_per_iteration: tuple[int, int, float] = (1, 1, 0.0),
+                   overlap: bool = True):
+        """Serve with engine, nothing in flight yet. steps_per_iteration: (at least, at most,
+        the seconds that decide in between: Engine.run)."""
         self.engine, self.tokenizer = engine, engine.tokenizer
-        self.steps_per_iteration, self.overlap, self.iteration_s = steps_per_iteration, overlap, iteration_s
+        self.steps_per_iteration, self.overlap = steps_per_iteration, overlap
         self.steps, self.engine_ms = 0, 0.0  # of the last steps waited for
         self.idle = True  # the engine had nothing to do when this iteration's requests came
         self.jobs: dict[str, Job] = {}  # by TorchServe request id
@@ -267,7 +268,8 @@ class LlamaHandler(BaseHandler):
         if fault:
             raise RuntimeError("injected fault in decode (LLAMA_TEST_FAULTS=1)")
         begin = time.perf_counter()
-        steps = self.engine.run(self.steps_per_iteration, self.iteration_s)
+        least, most, seconds = self.steps_per_iteration
+        steps = self.engine.run(most, seconds, least)
         return steps, (time.perf_counter() - begin) * 1000
 
     def wait_for_steps(self):

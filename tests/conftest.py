@@ -53,7 +53,7 @@ def server(tmp_path_factory):
     """One TorchServe for the whole test run; its handler raises where a prompt asks it to
     (handler.FAULT), which test_batching.py uses to show what a bug costs. Its steps overlap
     TorchServe's round trip, one per iteration, as on a GPU (handler.overlap auto, the
-    other servers here, runs the steps that fit in 100 ms in turn on a CPU whose cores all compute)."""
+    other servers here, runs 4 steps or more in turn on a CPU whose cores all compute)."""
     srv = start_demo_server(tmp_path_factory.mktemp("torchserve"), env={"LLAMA_TEST_FAULTS": "1"},
                             overlap=True, steps_per_iteration=1)
     srv.initial_pids = srv.worker_pids()

@@ -233,8 +233,8 @@ def test_blocks_running_out_preempt_and_recompute():
 
 
 def test_run_takes_the_steps_that_fit_in_its_time():
-    """run(max_steps, seconds) takes as many steps as fit in seconds at the last run's pace,
-    at least one and at most max_steps; it still ends at a first token."""
+    """run(max_steps, seconds, min_steps) takes as many steps as fit in seconds at the last
+    run's pace, at least min_steps (1) and at most max_steps; it still ends at a first token."""
     llama = demo()
     engine = Engine(llama.model, llama.tokenizer)
     engine.add(llama.tokenizer.encode("Once upon a time", bos=True, eos=False),
@@ -243,6 +243,7 @@ def test_run_takes_the_steps_that_fit_in_its_time():
     assert engine.run(16, seconds=60) == 16 and engine.pace > 0
     assert engine.run(16, seconds=engine.pace * 3.5) == 3
     assert engine.run(16, seconds=1e-9) == 1
+    assert engine.run(16, seconds=1e-9, min_steps=4) == 4
 
 
 def test_tp2_ranks_decide_alike_and_match_tp1(results, tmp_path):
