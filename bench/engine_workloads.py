@@ -341,6 +341,12 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--in-process"]:
     in_process_rank(sys.argv[2], sys.argv[3])
 
 
+def collectives_used() -> str:
+    if os.environ.get("LLAMA_CPU_COLLECTIVES") == "shm":
+        return "through shared memory (LLAMA_CPU_COLLECTIVES=shm)"
+    return "through gloo"
+
+
 def ratio(x: float, y: float) -> str:
     return f"{x / y:.2f}×"
 
@@ -373,7 +379,7 @@ request, one prefill per admission, one step per iteration), built into its own 
 
 Model: random Llama, {model['parameters']:,} parameters (dim {model['dim']}, {model['n_layers']} layers, \
 {model['n_heads']} heads), float32, demo vocabulary; TP=2 on CPU (1 thread per rank; this tree's \
-collectives go through shared memory, collectives.py, the baseline's through gloo) unless a part says otherwise; \
+collectives {collectives_used()}, the baseline's through gloo) unless a part says otherwise; \
 streamed requests (native API), temperature {a.temperature} with a seed per request. One server at a time; every \
 ratio compares servers measured in this run.
 """]

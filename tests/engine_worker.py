@@ -10,6 +10,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 from engine import Engine
 from generate import SamplingParams
@@ -51,8 +52,8 @@ def workload(llama, caching: bool, budget: int, max_seqs: int = 4) -> dict:
 
 
 def budgeted(llama, slow: bool) -> dict:
-    """One sequence decoded by run(16, seconds=0.03) until done, this rank's pace taken as
-    three times what it measured when slow (as if the ranks' clocks disagreed), and the same
+    """One sequence decoded by run(16, seconds) until done (seconds: about 4 steps at rank 0's
+    first pace), this rank's pace taken as three times what it measured when slow (as if the ranks' clocks disagreed), and the same
     sequence decoded a step at a time. Returns the steps each run took and both token lists."""
     prompt = llama.tokenizer.encode("Once upon a time", bos=True, eos=False)
     params = SamplingParams(max_gen_len=40, temperature=0, ignore_eos=True)
@@ -60,16 +61,17 @@ def budgeted(llama, slow: bool) -> dict:
     plain = engine.add(prompt, params)
     while engine.running:
         engine.step()
-    seq, runs = engine.add(prompt, params), []
+    seq = engine.add(prompt, params)
+    runs = [engine.run(16)]  # the prefill and the first token: a first pace
+    seconds = torch.tensor([engine.pace * 4])
+    dist.broadcast(seconds, src=0)  # one budget on every rank, about 4 steps of rank 0's
     while engine.running:
-        runs.append(engine.run(16, seconds=0.03))
+        runs.append(engine.run(16, seconds=float(seconds)))
         engine.pace *= 3 if slow else 1
     return {"runs": runs, "tokens": seq.tokens, "plain": plain.tokens}
 
 
 def main():
-    import torch.distributed as dist
-
     import llama2
 
     out_dir, folder = sys.argv[1], sys.argv[2]

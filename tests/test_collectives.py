@@ -1,8 +1,8 @@
-"""collectives.py on CPU: through the shared-memory segment, the tensor-parallel collectives
-give what gloo gives for the same inputs (the same bits at TP=2, where a sum has one
+"""collectives.py on CPU: through the shared-memory segment (LLAMA_CPU_COLLECTIVES=shm), the
+tensor-parallel collectives give what gloo gives for the same inputs (the same bits at TP=2, where a sum has one
 order; within rounding at TP=4), every rank gets the same bits, tensors larger than a
 slot go through gloo, and a rank that dies makes the others raise instead of waiting for
-ever. The model's own TP tests (test_tp.py, test_generate_tp.py) run through it too."""
+ever. Without the setting, gloo."""
 
 import pytest
 import torch
@@ -11,8 +11,13 @@ from collectives_worker import inputs
 from torchrun import run
 
 
+@pytest.fixture
+def shm(monkeypatch):
+    monkeypatch.setenv("LLAMA_CPU_COLLECTIVES", "shm")
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_collectives_equal_gloo_on_every_rank(tmp_path, world_size):
+def test_collectives_equal_gloo_on_every_rank(tmp_path, world_size, shm):
     results = run("collectives_worker.py", world_size, tmp_path, "ops")
     assert all(r["segment"] for r in results), "the shared-memory segment is not in use"
     sent = [inputs(rank) for rank in range(world_size)]
@@ -28,16 +33,16 @@ def test_collectives_equal_gloo_on_every_rank(tmp_path, world_size):
             assert torch.equal(results[rank]["results"][i][1], mine), (i, op, rank)
 
 
-@pytest.mark.parametrize("why", ["asked", "no room"])
-def test_gloo_when_asked_or_without_room(tmp_path, monkeypatch, why):
-    if why == "asked":
-        monkeypatch.setenv("LLAMA_CPU_COLLECTIVES", "gloo")
-    results = run("collectives_worker.py", 2, tmp_path, "ops" if why == "asked" else "no-room")
+@pytest.mark.parametrize("why", ["by default", "no room"])
+def test_gloo_by_default_or_without_room(tmp_path, monkeypatch, why):
+    if why == "no room":
+        monkeypatch.setenv("LLAMA_CPU_COLLECTIVES", "shm")
+    results = run("collectives_worker.py", 2, tmp_path, "ops" if why == "by default" else "no-room")
     assert not any(r["segment"] for r in results)
     assert all(torch.equal(mine, theirs) for _, mine, theirs in results[0]["results"])
 
 
-def test_a_dead_rank_is_an_error_not_a_hang(tmp_path):
+def test_a_dead_rank_is_an_error_not_a_hang(tmp_path, shm):
     results = run("collectives_worker.py", 2, tmp_path, "peer-dies", timeout=120)
     assert results[0]["segment"]
     assert results[0]["error"] and "rank 1" in results[0]["error"], results[0]
