@@ -35,6 +35,7 @@ def test_collectives_equal_gloo_on_every_rank(tmp_path, world_size, shm):
 
 @pytest.mark.parametrize("why", ["by default", "no room"])
 def test_gloo_by_default_or_without_room(tmp_path, monkeypatch, why):
+    monkeypatch.delenv("LLAMA_CPU_COLLECTIVES", raising=False)
     if why == "no room":
         monkeypatch.setenv("LLAMA_CPU_COLLECTIVES", "shm")
     results = run("collectives_worker.py", 2, tmp_path, "ops" if why == "by default" else "no-room")
