@@ -16,12 +16,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-import torch.distributed as dist
 
 import collectives
 from generate import SamplingParams, Sequence, adjust_logits, sample, token_logprobs
 from kv_cache import BlockPool
-from llama2 import Batch
+from llama2 import Batch, tp_world
 from scheduler import Scheduler, Work
 from tokenizer import TextStream
 
@@ -129,7 +128,7 @@ class Engine:
         rank 0's clock: each rank's own would differ, and the ranks must take the same steps."""
         fit = int(seconds / self.pace) if self.pace else min_steps
         steps = torch.tensor([max(min_steps, min(max_steps, fit))], device=self.device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if tp_world()[1] > 1:
             collectives.broadcast(steps, src=0)
         return int(steps)
 
@@ -211,7 +210,7 @@ class Engine:
         if not seqs:
             return
         next_tokens = sample(adjust_logits(logits, seqs), seqs)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if tp_world()[1] > 1:
             collectives.broadcast(next_tokens, src=0)
         asked = [s.params.top_logprobs for s in seqs if s.params.logprobs]
         if asked:
