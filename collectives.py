@@ -9,7 +9,14 @@ Each rank owns one slot in each of two buffers and a counter of its exchanges. A
 exchange writes the rank's tensor into its slot of buffer n % 2, publishes n, waits until
 every rank has published n, then reads all slots in rank order, so every rank computes
 the same bits. Two buffers suffice: a rank that writes buffer n % 2 again (exchange n + 2)
-has seen every rank publish n + 1, which each does only after reading exchange n."""
+has seen every rank publish n + 1, which each does only after reading exchange n.
+
+Each slot carries a stamp that checks this at run time, as a seqlock does: the writer
+marks the slot begun (n) before its data and ended (n) after, with a signature of the
+operation (kind, size, element size, source). A reader raises OutOfStep unless every
+rank's slot says ended n with its own signature before it reads, and still begun n after:
+ranks that make different collectives, or a slot written while it is read, are an error,
+never a wrong sum."""
 
 import logging
 import mmap
@@ -32,6 +39,11 @@ SEGMENTS = "/dev/shm"  # where the segment's file is made: memory, not disk
 logger = logging.getLogger(__name__)
 
 _channel: "SharedMemoryChannel | None" = None
+REDUCE, GATHER, BROADCAST = range(3)  # the kinds of exchange, in its signature
+
+
+class OutOfStep(RuntimeError):
+    """The ranks' collectives disagree: their results cannot be trusted, nor the next ones."""
 
 
 class SharedMemoryChannel:
@@ -39,7 +51,8 @@ class SharedMemoryChannel:
         """Join the segment of the default process group's ranks (a collective call)."""
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.slot_bytes = slot_bytes
-        header = 64 * self.world_size  # a counter per rank, a cache line apart
+        # a cache line per rank: its published count, then (begun, ended, signature) per buffer
+        header = 64 * self.world_size
         size = header + 2 * self.world_size * slot_bytes
         path = [make_segment(size) if self.rank == 0 else None]
         dist.broadcast_object_list(path, src=0)
@@ -56,7 +69,8 @@ class SharedMemoryChannel:
             os.unlink(path[0])  # gone from /dev/shm; the mappings stay until the ranks exit
         if not all(opened):  # on every rank alike
             raise OSError(f"ranks {[r for r, ok in enumerate(opened) if not ok]} cannot open {path[0]}")
-        self.published = np.frombuffer(self.segment, dtype=np.int64, count=8 * self.world_size)[::8]
+        self.header = np.frombuffer(self.segment, dtype=np.int64, count=8 * self.world_size).reshape(-1, 8)
+        self.published = self.header[:, 0]
         self.slots = torch.frombuffer(self.segment, dtype=torch.uint8, offset=header,
                                       count=2 * self.world_size * slot_bytes).view(2, self.world_size, slot_bytes)
         self.count = 0
@@ -68,17 +82,29 @@ class SharedMemoryChannel:
     def fits(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.numel() * x.element_size() <= self.slot_bytes
 
-    def exchange(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's x, stacked (world_size, *x.shape) in rank order. The result is a view
-        of the segment: read it before this rank's next exchange."""
-        self.count += 1
-        n_bytes = x.numel() * x.element_size()
-        parts = self.slots[self.count % 2, :, :n_bytes].view(x.dtype).view(self.world_size, *x.shape)
+    def exchange(self, x: torch.Tensor, kind: int, read):
+        """read(every rank's x, stacked (world_size, *x.shape) in rank order): a view of the
+        segment, valid only while read runs."""
+        self.count = count = self.count + 1
+        buffer, n_bytes = count % 2, x.numel() * x.element_size()
+        stamps = self.header[:, 1 + 3 * buffer:4 + 3 * buffer]  # (begun, ended, signature) of each rank's slot
+        signature = n_bytes << 16 | x.element_size() << 8 | kind
+        mine = stamps[self.rank]
+        mine[0] = count  # begun: x86 keeps plain stores in order, so before the data
+        parts = self.slots[buffer, :, :n_bytes].view(x.dtype).view(self.world_size, *x.shape)
         parts[self.rank].copy_(x)
+        mine[1:] = count, signature  # ended
         with self.fence:  # a locked instruction: the copy's stores are visible before the counter's
-            self.published[self.rank] = self.count
-        self.wait(self.count)
-        return parts
+            self.published[self.rank] = count
+        self.wait(count)
+        if not ((stamps[:, 1] == count).all() and (stamps[:, 2] == signature).all()):
+            raise OutOfStep(f"tensor-parallel ranks out of step at exchange {count} ({signature:#x} on rank "
+                            f"{self.rank}): slots say (ended, signature) {stamps[:, 1:].tolist()}")
+        result = read(parts)
+        if not (stamps[:, 0] == count).all():
+            raise OutOfStep(f"a slot of exchange {count} was written again while rank {self.rank} read it: "
+                            f"begun {stamps[:, 0].tolist()}")
+        return result
 
     def wait(self, count: int):
         """Until every rank has published count: polling, then yielding the core to whoever
@@ -173,7 +199,7 @@ def all_gather_last_dim(x: torch.Tensor, group=None) -> torch.Tensor:
 def broadcast(x: torch.Tensor, src: int = 0):
     """Rank src's x on every rank, in place."""
     if in_segment(x, None):
-        x.copy_(_channel.exchange(x)[src])
+        _channel.exchange(x, BROADCAST | src << 2, lambda parts: x.copy_(parts[src]))
     else:
         dist.broadcast(x, src=src)
 
@@ -182,9 +208,9 @@ def broadcast(x: torch.Tensor, src: int = 0):
 
 @torch.compiler.disable
 def reduce_in_segment(x: torch.Tensor):
-    torch.sum(_channel.exchange(x), dim=0, out=x)
+    _channel.exchange(x, REDUCE, lambda parts: torch.sum(parts, dim=0, out=x))
 
 
 @torch.compiler.disable
 def gather_in_segment(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat(_channel.exchange(x).unbind(0), dim=-1)
+    return _channel.exchange(x, GATHER, lambda parts: torch.cat(parts.unbind(0), dim=-1))

@@ -51,11 +51,17 @@ def nucleus(probs: torch.Tensor, p) -> tuple[torch.Tensor, torch.Tensor]:
     """probs sorted in descending order with the tokens outside the top-p set zeroed and the
     rest renormalised, and the sorted tokens' ids."""
     probs_sort, probs_idx = torch.sort(probs, dim=-1, descending=True)
-    before = torch.cumsum(probs_sort, dim=-1) - probs_sort  # mass of the more probable tokens
-    drop = before >= p
-    drop[..., 0] = False  # the most probable token always stays (p <= 0 would drop them all)
-    probs_sort = probs_sort.masked_fill(drop, 0.0)
+    kept = torch.arange(probs.shape[-1], device=probs.device) < top_p_count(probs_sort, p)
+    probs_sort = probs_sort.masked_fill(~kept, 0.0)
     return probs_sort / probs_sort.sum(dim=-1, keepdim=True), probs_idx
+
+
+def top_p_count(probs_sort: torch.Tensor, p) -> torch.Tensor:
+    """(..., 1): how many of the most probable tokens (probs_sort, descending) the top-p set
+    holds: those whose more probable tokens have less than p of the mass, at least one
+    (p <= 0 would keep none)."""
+    before = torch.cumsum(probs_sort, dim=-1) - probs_sort  # mass of the more probable tokens
+    return (before < p).sum(dim=-1, keepdim=True).clamp(min=1)
 
 
 # --- the sampling math: batched, one row per sequence, the same on every rank --------------
@@ -116,7 +122,14 @@ def adjust_logits(logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor:
 def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor:
     """Each row's next token (b,): the most probable one where the temperature is 0, else a
     draw after temperature, top-k and top-p, from the sequence's own generator when it has a
-    seed (so that its tokens do not depend on the other rows)."""
+    seed (so that its tokens do not depend on the other rows).
+
+    A draw is an exponential race, as vLLM's sampler makes it: each token of the vocabulary
+    draws q ~ Exp(1), in token-id order, and the token of the top-p set with the largest
+    p / q wins (token t with probability p_t over the set's mass). Draws follow the token
+    ids, not the order of a sort, and tokens as probable as the last one of the top-p set
+    stay in with it: two tokens of equal probability that trade places under rounding
+    (in another batch, at another TP size) change neither the set nor the winner."""
     tokens = logits.argmax(dim=-1)
     rows = [i for i, s in enumerate(seqs) if s.params.temperature > 0]
     if not rows:
@@ -125,11 +138,13 @@ def sample(logits: torch.Tensor, seqs: list["Sequence"]) -> torch.Tensor:
     scaled = logits[rows] / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
     if any(p.top_k > 0 for p in params):
         scaled = top_k_filter(scaled, torch.tensor([p.top_k for p in params], device=logits.device))
-    top_p = torch.tensor([p.top_p for p in params], dtype=scaled.dtype, device=logits.device)[:, None]
-    probs_sort, probs_idx = nucleus(torch.softmax(scaled, dim=-1), top_p)
-    picks = torch.cat([torch.multinomial(probs_sort[j:j + 1], 1, generator=seqs[i].generator)
-                       for j, i in enumerate(rows)])
-    tokens[rows] = probs_idx.gather(-1, picks)[:, 0]
+    probs = torch.softmax(scaled, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=logits.device)[:, None]
+    probs_sort = torch.sort(probs, dim=-1, descending=True).values
+    least = probs_sort.gather(-1, top_p_count(probs_sort, top_p) - 1)  # the top-p set's least probability
+    q = torch.stack([torch.empty_like(probs[0]).exponential_(generator=seqs[i].generator) for i in rows])
+    outside = (probs < least) | (probs == 0)  # masked after dividing: a draw of q = 0 makes 0 / 0
+    tokens[rows] = (probs / q).masked_fill_(outside, -1.0).argmax(dim=-1)
     return tokens
 
 

@@ -1,13 +1,14 @@
 """A rank for test_collectives.py, started by torchrun (tests/torchrun.py):
 
-    collectives_worker.py OUT_DIR ops|no-room|peer-dies
+    collectives_worker.py OUT_DIR ops|no-room|peer-dies|out-of-step
 
 ops: a run of all-reduces, all-gathers and broadcasts of varied shapes and dtypes, some
 larger than a shared-memory slot (gloo then), the ranks reaching them at different
 moments; each result next to gloo's for the same input. Saves whether the segment is in
 use and the results to OUT_DIR/rank{r}.pt. no-room: the same where the segment cannot be made.
 peer-dies: rank 1 exits; rank 0's next all-reduce must raise, naming rank 1, rather than
-wait for ever. Rank 0 saves the error and how long it took."""
+wait for ever. Rank 0 saves the error and how long it took. out-of-step: the ranks
+all-reduce tensors of different sizes; each saves the error it gets."""
 
 import os
 import random
@@ -70,6 +71,12 @@ def main():
     out = {"segment": collectives._channel is not None}
     if mode == "ops":
         out["results"] = run_ops(rank)
+    elif mode == "out-of-step":
+        try:
+            collectives.all_reduce(torch.ones(8 >> rank, 64))
+            out["error"] = None
+        except collectives.OutOfStep as e:
+            out["error"] = str(e)
     else:
         x = torch.ones(8, 64)
         collectives.all_reduce(x)  # both ranks are here

@@ -1,8 +1,8 @@
 """collectives.py on CPU: through the shared-memory segment (LLAMA_CPU_COLLECTIVES=shm), the
 tensor-parallel collectives give what gloo gives for the same inputs (the same bits at TP=2, where a sum has one
 order; within rounding at TP=4), every rank gets the same bits, tensors larger than a
-slot go through gloo, and a rank that dies makes the others raise instead of waiting for
-ever. Without the setting, gloo."""
+slot go through gloo, a rank that dies makes the others raise instead of waiting for
+ever, and ranks whose collectives disagree raise instead of summing. Without the setting, gloo."""
 
 import pytest
 import torch
@@ -48,3 +48,10 @@ def test_a_dead_rank_is_an_error_not_a_hang(tmp_path, shm):
     assert results[0]["segment"]
     assert results[0]["error"] and "rank 1" in results[0]["error"], results[0]
     assert results[0]["seconds"] < 10, results[0]
+
+
+def test_ranks_out_of_step_raise_instead_of_summing(tmp_path, shm):
+    results = run("collectives_worker.py", 2, tmp_path, "out-of-step")
+    assert all(r["segment"] for r in results)
+    for r in results:
+        assert r["error"] and "out of step" in r["error"], r
