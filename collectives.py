@@ -1,9 +1,10 @@
 """The collectives of tensor parallelism (all-reduce, all-gather, broadcast). On GPUs they
-are NCCL's, on CPUs gloo's. With LLAMA_CPU_COLLECTIVES=shm, one host's CPU ranks exchange
-through a shared-memory segment when the tensor fits its slots: gloo's loopback sockets cost 1.6 ms for a 16 KB all-reduce between two
-ranks on a 2-core machine (7.4 ms between four), against about 40 us (0.4 ms) through
-shared memory, and a decode step makes two per layer (BENCHMARKS.md, tensor parallelism
-on CPU). Larger tensors (long prefill chunks) and other hosts' ranks use gloo.
+are NCCL's. One host's CPU ranks exchange through a shared-memory segment when the tensor
+fits its slots (LLAMA_CPU_COLLECTIVES=gloo turns it off): gloo's loopback sockets cost
+1.6 ms for a 16 KB all-reduce between two ranks on a 2-core machine (7.4 ms between four),
+against about 40 us (0.4 ms) through shared memory, and a decode step makes two per layer
+(BENCHMARKS.md, tensor parallelism on CPU). Larger tensors (long prefill chunks) and other
+hosts' ranks use gloo.
 
 Each rank owns one slot in each of two buffers and a counter of its exchanges. An
 exchange writes the rank's tensor into its slot of buffer n % 2, publishes n, waits until
@@ -136,18 +137,22 @@ class SharedMemoryChannel:
                 raise RuntimeError(f"tensor-parallel rank {rank} (pid {pid}) is gone")
 
 
+def requested() -> str:
+    """What LLAMA_CPU_COLLECTIVES asks for CPU ranks: shm (the default) or gloo."""
+    wanted = os.environ.get("LLAMA_CPU_COLLECTIVES", "shm")
+    if wanted not in ("shm", "gloo"):
+        raise ValueError(f"LLAMA_CPU_COLLECTIVES must be shm or gloo, got {wanted!r}")
+    return wanted
+
+
 def setup():
-    """With LLAMA_CPU_COLLECTIVES=shm, use shared memory for the default group's collectives
-    when its ranks are this host's CPU processes (x86-64: the ordering of the segment's
-    stores is reasoned for its memory model). Opt-in until an unexplained wrong answer in
-    one run of the test suite's soak test is understood (README: Known limits). A
-    collective call: every rank makes it."""
+    """Use shared memory for the default group's collectives when its ranks are this host's
+    CPU processes (x86-64: the ordering of the segment's stores is reasoned for its memory
+    model), unless LLAMA_CPU_COLLECTIVES=gloo. A collective call: every rank makes it."""
     global _channel
     if not (dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo"):
         return
-    wanted = os.environ.get("LLAMA_CPU_COLLECTIVES", "gloo")
-    if wanted not in ("shm", "gloo"):
-        raise ValueError(f"LLAMA_CPU_COLLECTIVES must be shm or gloo, got {wanted!r}")
+    wanted = requested()
     hosts = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, platform.node())
     if wanted == "shm" and len(set(hosts)) == 1 and platform.machine() in ("x86_64", "AMD64"):

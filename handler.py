@@ -25,6 +25,7 @@ from ts.torch_handler.base_handler import BaseHandler
 
 import api
 import chat_format
+import collectives
 import openai_api
 import quant
 from api import Defaults, Job, Limits, RequestError
@@ -279,7 +280,7 @@ class LlamaHandler(BaseHandler):
             result = self.engine.wait()
         except Exception as e:
             logger.exception("engine step failed")
-            self.exit_if_a_rank_is_gone()
+            self.exit_if_the_ranks_are_broken(e)
             failed = set(self.engine.scheduler.running)
             for job in self.jobs.values():
                 if failed.intersection(job.seqs):
@@ -295,14 +296,18 @@ class LlamaHandler(BaseHandler):
             if job.first_token is None and any(s.tokens or s.done for s in job.seqs):
                 job.first_token = now
 
-    def exit_if_a_rank_is_gone(self):
-        """After a failed step: if the ranks can no longer reach each other (one died), this
-        worker will never decode again. Exit before answering: TorchServe then fails the
-        requests in flight ("Worker died.") and restarts the worker. A worker that answers
-        first goes back to TorchServe for more, and TorchServe 0.12 loses a request it takes
-        from its queue just as the worker stops: that request is never answered."""
+    def exit_if_the_ranks_are_broken(self, error: Exception):
+        """After a failed step: if the ranks can no longer reach each other (one died) or
+        their collectives are out of step, this worker will never decode right again. Exit
+        before answering: TorchServe then fails the requests in flight ("Worker died.") and
+        restarts the worker. A worker that answers first goes back to TorchServe for more,
+        and TorchServe 0.12 loses a request it takes from its queue just as the worker
+        stops: that request is never answered."""
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return
+        if isinstance(error, collectives.OutOfStep):
+            logger.critical("the tensor-parallel ranks are out of step; exiting so that TorchServe restarts the worker")
+            os._exit(1)
         try:
             dist.all_reduce(torch.zeros(1, device=self.engine.device))  # every rank failed alike: fine
         except Exception:

@@ -5,7 +5,7 @@ segment, measured in one run:
 
 1. One all-reduce of a decode step's activations (1 or 8 rows of dim 512, 8 rows of
    dim 4096, float32) between 2 and 4 ranks of this host (torchrun, 1 thread each): median
-   microseconds, gloo (the default) and the segment (LLAMA_CPU_COLLECTIVES=shm).
+   microseconds, gloo (LLAMA_CPU_COLLECTIVES=gloo) and the segment (the default).
 2. The in-process Engine's decode at TP=2 (1 thread per rank), 1 and 8 sequences, on
    bench/decode.py's 26M and 110M shapes (random weights): tokens/s and ms per step, gloo
    and the segment.
@@ -118,7 +118,7 @@ def section(r: dict) -> str:
     lines = [f"## Tensor parallelism on CPU: gloo against shared memory\n\n`python bench/cpu_collectives.py` — "
              f"{report.header()}; commit {serving.revision()}.\n\n"
              "Ranks under torchrun on this host, 1 thread each. *gloo*: torch.distributed's gloo over loopback sockets "
-             "(the default); *segment*: collectives.py's shared-memory exchange (LLAMA_CPU_COLLECTIVES=shm; tensors "
+             "(LLAMA_CPU_COLLECTIVES=gloo); *segment*: collectives.py's shared-memory exchange (the default; tensors "
              "over 1 MB still go through gloo).\n\n"
              "### One all-reduce (float32), median of 5 × 100\n\n"
              "| ranks | rows × dim | gloo (µs) | segment (µs) | gloo / segment |\n|---|---|---|---|---|"]

@@ -10,7 +10,7 @@
    says when they do not). The same with the weights quantized to int8 and int4
    (tp_llama(quantization=...), quant.py), whose roofline counts their quantized bytes;
    the quantization targets are printed as ratios measured in the same run.
-2. Under torchrun (bench/tp_decode.py; gloo, or shared memory with LLAMA_CPU_COLLECTIVES=shm): TP=1 and TP=2 with 1 or 2 threads per rank
+2. Under torchrun (bench/tp_decode.py; shared memory, or gloo with LLAMA_CPU_COLLECTIVES=gloo): TP=1 and TP=2 with 1 or 2 threads per rank
    (OMP_NUM_THREADS, which TorchServe sets from model-config.yaml), the time of a step's
    collectives, and, at TP=2, our plain sharding against torch's DTensor.
 
@@ -274,8 +274,8 @@ def tp_section(tp: dict) -> list[str]:
         "",
         "### Tensor parallelism on CPU: TP=1 against TP=2, and threads per rank",
         "",
-        "Each configuration runs bench/tp_decode.py under torchrun (gloo, or collectives.py's "
-        "shared-memory segment where LLAMA_CPU_COLLECTIVES=shm), eager, with OMP_NUM_THREADS as "
+        "Each configuration runs bench/tp_decode.py under torchrun (collectives.py's shared-memory "
+        "segment, or gloo where LLAMA_CPU_COLLECTIVES=gloo), eager, with OMP_NUM_THREADS as "
         "TorchServe sets it from model-config.yaml's `torchrun: OMP_NUMBER_THREADS`. *collectives*: the time of "
         "one step's collectives on their own (2 all-reduces of batch × dim floats per layer, and the all-gather "
         "of the logits), the ranks starting them together.",

@@ -40,6 +40,7 @@ import requests
 
 import report
 import serving
+import collectives
 from scheduler import default_token_budget
 
 ROOT = serving.ROOT
@@ -342,9 +343,9 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--in-process"]:
 
 
 def collectives_used() -> str:
-    if os.environ.get("LLAMA_CPU_COLLECTIVES") == "shm":
-        return "through shared memory (LLAMA_CPU_COLLECTIVES=shm)"
-    return "through gloo"
+    if collectives.requested() == "shm":
+        return "through shared memory (the default)"
+    return "through gloo (LLAMA_CPU_COLLECTIVES=gloo)"
 
 
 def ratio(x: float, y: float) -> str:

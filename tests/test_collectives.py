@@ -1,8 +1,9 @@
-"""collectives.py on CPU: through the shared-memory segment (LLAMA_CPU_COLLECTIVES=shm), the
+"""collectives.py on CPU: through the shared-memory segment (the default), the
 tensor-parallel collectives give what gloo gives for the same inputs (the same bits at TP=2, where a sum has one
 order; within rounding at TP=4), every rank gets the same bits, tensors larger than a
 slot go through gloo, a rank that dies makes the others raise instead of waiting for
-ever, and ranks whose collectives disagree raise instead of summing. Without the setting, gloo."""
+ever, and ranks whose collectives disagree raise instead of summing. With
+LLAMA_CPU_COLLECTIVES=gloo, or without room for the segment, gloo."""
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from torchrun import run
 
 @pytest.fixture
 def shm(monkeypatch):
-    monkeypatch.setenv("LLAMA_CPU_COLLECTIVES", "shm")
+    """The default: nothing set."""
+    monkeypatch.delenv("LLAMA_CPU_COLLECTIVES", raising=False)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -33,12 +35,12 @@ def test_collectives_equal_gloo_on_every_rank(tmp_path, world_size, shm):
             assert torch.equal(results[rank]["results"][i][1], mine), (i, op, rank)
 
 
-@pytest.mark.parametrize("why", ["by default", "no room"])
-def test_gloo_by_default_or_without_room(tmp_path, monkeypatch, why):
+@pytest.mark.parametrize("why", ["asked", "no room"])
+def test_gloo_when_asked_or_without_room(tmp_path, monkeypatch, why):
     monkeypatch.delenv("LLAMA_CPU_COLLECTIVES", raising=False)
-    if why == "no room":
-        monkeypatch.setenv("LLAMA_CPU_COLLECTIVES", "shm")
-    results = run("collectives_worker.py", 2, tmp_path, "ops" if why == "by default" else "no-room")
+    if why == "asked":
+        monkeypatch.setenv("LLAMA_CPU_COLLECTIVES", "gloo")
+    results = run("collectives_worker.py", 2, tmp_path, "ops" if why == "asked" else "no-room")
     assert not any(r["segment"] for r in results)
     assert all(torch.equal(mine, theirs) for _, mine, theirs in results[0]["results"])
 
