@@ -27,7 +27,6 @@ import threading
 import time
 import uuid
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -70,8 +69,8 @@ class SharedMemoryChannel:
             os.unlink(path[0])  # gone from /dev/shm; the mappings stay until the ranks exit
         if not all(opened):  # on every rank alike
             raise OSError(f"ranks {[r for r, ok in enumerate(opened) if not ok]} cannot open {path[0]}")
-        self.header = np.frombuffer(self.segment, dtype=np.int64, count=8 * self.world_size).reshape(-1, 8)
-        self.published = self.header[:, 0]
+        self.words = memoryview(self.segment)[:header].cast("q")  # plain reads and writes, no numpy calls
+        self.lines = range(0, 8 * self.world_size, 8)  # where each rank's line starts in words
         self.slots = torch.frombuffer(self.segment, dtype=torch.uint8, offset=header,
                                       count=2 * self.world_size * slot_bytes).view(2, self.world_size, slot_bytes)
         self.count = 0
@@ -88,23 +87,23 @@ class SharedMemoryChannel:
         segment, valid only while read runs."""
         self.count = count = self.count + 1
         buffer, n_bytes = count % 2, x.numel() * x.element_size()
-        stamps = self.header[:, 1 + 3 * buffer:4 + 3 * buffer]  # (begun, ended, signature) of each rank's slot
         signature = n_bytes << 16 | x.element_size() << 8 | kind
-        mine = stamps[self.rank]
-        mine[0] = count  # begun: x86 keeps plain stores in order, so before the data
+        words, mine, at = self.words, 8 * self.rank, 1 + 3 * buffer  # at: the buffer's stamp in a line
+        words[mine + at] = count  # begun: x86 keeps plain stores in order, so before the data
         parts = self.slots[buffer, :, :n_bytes].view(x.dtype).view(self.world_size, *x.shape)
         parts[self.rank].copy_(x)
-        mine[1:] = count, signature  # ended
+        words[mine + at + 1], words[mine + at + 2] = count, signature  # ended
         with self.fence:  # a locked instruction: the copy's stores are visible before the counter's
-            self.published[self.rank] = count
+            words[mine] = count
         self.wait(count)
-        if not ((stamps[:, 1] == count).all() and (stamps[:, 2] == signature).all()):
+        if any(words[line + at + 1] != count or words[line + at + 2] != signature for line in self.lines):
             raise OutOfStep(f"tensor-parallel ranks out of step at exchange {count} ({signature:#x} on rank "
-                            f"{self.rank}): slots say (ended, signature) {stamps[:, 1:].tolist()}")
+                            f"{self.rank}): slots say (ended, signature) "
+                            f"{[words[line + at + 1:line + at + 3].tolist() for line in self.lines]}")
         result = read(parts)
-        if not (stamps[:, 0] == count).all():
+        if any(words[line + at] != count for line in self.lines):
             raise OutOfStep(f"a slot of exchange {count} was written again while rank {self.rank} read it: "
-                            f"begun {stamps[:, 0].tolist()}")
+                            f"begun {[words[line + at] for line in self.lines]}")
         return result
 
     def wait(self, count: int):
@@ -112,7 +111,8 @@ class SharedMemoryChannel:
         else needs it, then, in a long wait (a rank busy elsewhere), sleeping between polls."""
         polls, begin = 0, time.monotonic()
         checked = begin
-        while self.published.min() < count:
+        words = self.words
+        while any(words[line] < count for line in self.lines):
             polls += 1
             if polls <= SPINS:
                 continue
