@@ -2,7 +2,13 @@
 (prompt + answer == the decode of prompt and generated tokens), whole and streamed, on the
 native API and /v1/completions with and without echo; on the demo model (sentencepiece) and
 on a Llama 3 fixture (tokenizer.json, its chat template) served at TP=2, whose chat answers
-equal the in-process ones."""
+equal the in-process ones. That server runs several engine steps per TorchServe iteration, in
+turn with the round trip (the CPU default): stop strings, max_new_tokens and a client that
+leaves still end a stream where they should."""
+
+import json
+import re
+import time
 
 import openai
 import pytest
@@ -10,6 +16,7 @@ import pytest
 import generate as G
 import llama2
 from conftest import SERVER_SLOTS
+from handler import IN_TURN_STEPS
 from local_server import start_server
 
 N_NEW = 16
@@ -19,8 +26,10 @@ PROMPTS = ["The secret of a happy life is", "Größe  und 😀 emoji:", "Once up
 @pytest.fixture(scope="module")
 def llama3_server(llama3, tmp_path_factory):
     folder = llama3["scaled16"][1]["hf"]
+    # in turn, 4 to 16 steps per iteration, as on a CPU without a core to spare (the tests' shared
+    # server overlaps one step per iteration, as on a GPU)
     srv = start_server(tmp_path_factory.mktemp("llama3_server"), folder, tp=2, batch_size=SERVER_SLOTS,
-                       handler={"max_seq_len": 256})
+                       handler={"max_seq_len": 256, "overlap": False})
     yield srv, llama2.tp_llama(None, folder, None, 1, max_batch_size=SERVER_SLOTS, max_seq_len=256)
     srv.stop()
 
@@ -88,3 +97,58 @@ def test_llama3_special_text_in_requests_stays_text(llama3_server):
     answer = srv.generate({"messages": dialog, "max_new_tokens": 2, "temperature": 0})
     expected = llama.chat_completion([dialog], 2, temperature=0)[0]
     assert answer == expected
+
+
+# --- in turn: several engine steps per TorchServe iteration ---------------------------------
+
+LONG = {"prompt": "Once upon a time", "max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+MOST_STEPS = IN_TURN_STEPS[1]  # steps per iteration, at most
+
+
+def test_in_turn_chunks_add_up_and_stop_at_max_new_tokens(llama3_server):
+    """Each chunk carries the tokens of an iteration's steps (4 or more after the first
+    token's), and they add up to the whole answer, which has exactly max_new_tokens."""
+    srv, llama = llama3_server
+    whole = srv.generate(LONG)
+    assert whole["usage"]["completion_tokens"] == LONG["max_new_tokens"] and whole["finish_reason"] == "length"
+    chunks = srv.stream(LONG)
+    assert "".join(c["text"] for c in chunks) == whole["generation"]
+    assert chunks[-1]["usage"] == whole["usage"]
+    assert 2 < len(chunks) <= 2 + LONG["max_new_tokens"] // 4, len(chunks)
+
+
+def test_in_turn_stop_string_ends_at_its_token(llama3_server):
+    """A stop string met in the middle of an iteration's steps ends the sequence at the step
+    that completed it: the same text and usage as the in-process engine, which checks after
+    every token."""
+    srv, llama = llama3_server
+    body = {"prompt": LONG["prompt"], "max_new_tokens": 100, "temperature": 0}
+    full = srv.generate(body)["generation"]
+    stop = "complex"  # a word of the greedy answer, which has 40 tokens or more before it
+    assert stop in full and len(llama.tokenizer.encode(full[:full.index(stop)], bos=False, eos=False)) > 20
+    expected = llama.text_completion([body["prompt"]], body["max_new_tokens"], temperature=0, stop=[stop])[0]
+    assert expected["generation"] == full[:full.index(stop)]
+    assert srv.generate(body | {"stop": [stop]}) == expected
+    chunks = srv.stream(body | {"stop": [stop]})
+    assert "".join(c["text"] for c in chunks) == expected["generation"]
+    assert chunks[-1]["finish_reason"] == "stop" and chunks[-1]["usage"] == expected["usage"]
+
+
+def test_in_turn_disconnect_stops_decoding_at_the_next_iteration(llama3_server):
+    """A stream whose client goes away after its first chunk (one token) stops decoding when the
+    worker hears of it, at the start of an iteration: after the one under way, and one more
+    if it began before the close reached TorchServe, far fewer than the 200 tokens asked for.
+    (TorchServe tells the worker with its next batch; in turn, the steps of the iteration under
+    way cannot hear of it sooner.)"""
+    srv, _ = llama3_server
+    for _ in range(2):
+        r = srv.post(LONG | {"stream": True}, stream=True)
+        lines = r.iter_lines()
+        assert json.loads(next(lines))["text"] is not None
+        r.close()
+        request_id = r.headers["x-request-id"]
+        deadline = time.time() + 30
+        while not (done := re.search(rf"done {request_id} rank=0 .* generated=\[(\d+)\]", srv.log())):
+            assert time.time() < deadline, "the handler never let the request go"
+            srv.generate({"prompt": "ping", "max_new_tokens": 1})  # an iteration, to hear of it
+        assert int(done.group(1)) <= 1 + 2 * MOST_STEPS, done.group(0)
