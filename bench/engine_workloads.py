@@ -25,6 +25,7 @@ private TorchServes (tools/local_server.py) serving one random Llama (TP=2 on CP
   (1 thread per rank), for the 26M and 110M shapes of bench/decode.py.
 """
 
+import itertools
 import json
 import os
 import statistics
@@ -236,8 +237,8 @@ def plot(result: dict, path: str):
 # --- single: TorchServe against the in-process engine -----------------------------------------
 
 SINGLE_NEW = 128
-SINGLE_WARM_S = 20  # a new frontend's JIT compiles for its first ~20 s of streams (C2: 0.1-0.2 of a core)
-SINGLE_ROUNDS = 3  # the server's and the in-process Engine's streams alternate: both meet the same machine
+SINGLE_WARM_S = 20  # a new frontend's JIT compiles for its first ~20 s of streams
+SINGLE_PAIRS = 9  # a stream through the server, then a sequence in-process: both meet the same machine
 
 
 def single(a, tmp) -> dict:
@@ -250,16 +251,16 @@ def single(a, tmp) -> dict:
 
             def run(server):
                 target = serving.Target(server.url, server.key)
-                warm_until = time.time() + SINGLE_WARM_S
-                while time.time() < warm_until:
-                    target.send(body)
-                rates, in_process, wall, begin = [], [], 0.0, time.time()
-                for _ in range(SINGLE_ROUNDS):
-                    in_process += engine_tokens_per_s(ckpt, tp, threads)
-                    for _ in range(3):
+                with InProcessEngine(ckpt, tp, threads, tmp) as alone:
+                    warm_until = time.time() + SINGLE_WARM_S
+                    while time.time() < warm_until:
+                        target.send(body)
+                    rates, in_process, wall, begin = [], [], 0.0, time.time()
+                    for _ in range(SINGLE_PAIRS):
                         r = target.send(body)
                         rates.append((r.output_tokens - 1) / (r.latency - r.ttft))
                         wall += r.latency
+                        in_process.append(alone.decode())
                 time.sleep(1)  # the last log lines
                 return {"tokens_per_s": statistics.median(rates), "in_process": statistics.median(in_process),
                         "wall": wall, "server": serving.iterations(server, begin, time.time())}
@@ -278,18 +279,42 @@ def breakdown(m: dict) -> dict:
     return {"wall_ms": m["wall"] * 1000 / max(m["server"]["iterations"], 1)} | m["server"]
 
 
-def engine_tokens_per_s(ckpt: str, tp: int, threads: int) -> list[float]:
-    """Three single sequences' decode rates in the Engine, in this process's image of a rank:
-    torchrun with tp ranks and threads threads each, each timed from its first token to its last."""
-    out = tempfile.mktemp(suffix=".json")
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=ROOT)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
-                    __file__, "--in-process", ckpt, out], env=env, check=True, capture_output=True)
-    with open(out) as f:
-        return json.load(f)["tokens_per_s"]
+class InProcessEngine:
+    """The Engine on the same weights, in this process's image of a rank: torchrun with tp
+    ranks and threads threads each, kept running; decode() has it decode one sequence and
+    returns its tokens/s from its first token to its last. The ranks wait (polling a folder)
+    while the server streams."""
+
+    def __init__(self, ckpt: str, tp: int, threads: int, tmp: str):
+        folder = tempfile.mkdtemp(prefix="in-process-", dir=tmp)
+        self.folder, self.n = folder, 0
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=ROOT)
+        self.proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                      f"--nproc-per-node={tp}", __file__, "--in-process", ckpt, folder], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def decode(self) -> float:
+        self.n += 1
+        open(os.path.join(self.folder, f"go{self.n}"), "w").close()
+        result = os.path.join(self.folder, f"rate{self.n}")
+        while not os.path.exists(result):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the in-process engine exited ({self.proc.returncode})")
+            time.sleep(0.01)
+        with open(result) as f:
+            return float(f.read())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        open(os.path.join(self.folder, "quit"), "w").close()
+        self.proc.wait(timeout=60)
 
 
-def in_process_rank(ckpt: str, out: str):
+def in_process_rank(ckpt: str, folder: str):
+    """InProcessEngine's ranks: a sequence to warm up, then one for each go<n> file in folder,
+    until a quit file; rank 0 writes each one's rate to rate<n>."""
     import torch.distributed as dist
 
     sys.path.insert(0, ROOT)
@@ -298,22 +323,32 @@ def in_process_rank(ckpt: str, out: str):
     from generate import SamplingParams
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     llama = llama2.tp_llama(None, ckpt, None, world_size, max_batch_size=8, max_seq_len=512)
     prompt = llama.tokenizer.encode(serving.make_prompts(1, 32, 32, serving.TOKENIZER, 0)[0], bos=True, eos=False)
     engine = Engine(llama.model, llama.tokenizer)
-    rates = []
-    for n in (8, SINGLE_NEW, SINGLE_NEW, SINGLE_NEW):
+
+    def decode(n: int) -> float:
         seq = engine.add(prompt, SamplingParams(max_gen_len=n, temperature=0, ignore_eos=True))
         engine.step()  # the prefill and the first token
         begin = time.perf_counter()
         while not seq.done:
             engine.step()
-        rates.append((len(seq.tokens) - 1) / (time.perf_counter() - begin))
-    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
-        with open(out, "w") as f:
-            json.dump({"tokens_per_s": rates[1:]}, f)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        return (len(seq.tokens) - 1) / (time.perf_counter() - begin)
+
+    decode(8)
+    for n in itertools.count(1):
+        while not os.path.exists(os.path.join(folder, f"go{n}")):
+            if os.path.exists(os.path.join(folder, "quit")):
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                return
+            time.sleep(0.01)
+        rate = decode(SINGLE_NEW)
+        if rank0:
+            with open(os.path.join(folder, "rate.tmp"), "w") as f:
+                f.write(repr(rate))
+            os.replace(os.path.join(folder, "rate.tmp"), os.path.join(folder, f"rate{n}"))
 
 
 # --- the report ------------------------------------------------------------------------------
@@ -479,10 +514,10 @@ compute, TorchServe's work during a step takes cores from the ranks.
             for b in [v[mode]])
         out.append(f"""### One streamed request through TorchServe against the in-process Engine ({SINGLE_NEW} new tokens, first to last)
 
-Each server first streams for {SINGLE_WARM_S} s (a new frontend's JIT compiler takes 0.1–0.2 of a core for about \
-that long), then {SINGLE_ROUNDS} rounds alternate: the in-process Engine (torchrun, the same ranks and threads; \
-one sequence to warm up, three timed) and three streams through the server, which sits idle meanwhile. \
-Medians over the rounds; alternating gives both the same machine, whose speed drifts by 20 % within minutes here.
+Each server first streams for {SINGLE_WARM_S} s (a new frontend's JIT compiler works hardest then), while the \
+in-process Engine loads (torchrun, the same ranks and threads, kept running); then {SINGLE_PAIRS} pairs: a stream \
+through the server, then a sequence in-process, each idle while the other decodes. Medians over the pairs; \
+pairing gives both the same machine, whose speed drifts by 20 % within minutes here.
 
 | model | TP | TorchServe tokens/s, as configured (here: 4 steps per iteration or more in 100 ms, in turn) | in-process Engine tokens/s, alternating with it | ratio | TorchServe, overlapped, 1 step per iteration | in-process, alternating with it | ratio, overlapped |
 |---|---|---|---|---|---|---|---|
@@ -490,7 +525,7 @@ Medians over the rounds; alternating gives both the same machine, whose speed dr
 
 - Every ratio as configured ≥ 0.9 (target): {verdict(ok)}.
 
-Where an iteration's time goes (the same runs; means over the iterations of the three timed requests, from \
+Where an iteration's time goes (the same runs; means over the iterations of the timed requests, from \
 ts_log.log: TorchServe's HandlerTime and the handler's EngineTime and EngineSteps gauges). In turn, handle() runs \
 the steps and TorchServe's round trip follows; overlapped, the round trip runs during the steps, and handle() \
 waits for them, then reads the batch, answers and starts the next ones:
