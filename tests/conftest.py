@@ -1,8 +1,11 @@
 """Shared fixtures: small random checkpoints in every layout, written once per test run
 by tools/make_checkpoint.py from one transformers LlamaForCausalLM (the reference)."""
 
+import json
 import os
+import re
 import sys
+import time
 
 import pytest
 
@@ -46,6 +49,23 @@ def start_demo_server(workdir, env: dict | None = None, **handler):
 
     return start_server(workdir, DEMO, tp=2, env=env, batch_size=SERVER_SLOTS,
                         handler={"max_seq_len": SERVER_MAX_SEQ_LEN} | handler)
+
+
+def decoded_after_leaving(server, body: dict, read: int) -> tuple[list[str], int]:
+    """Stream body, read `read` lines and close, as a client that goes away; then wait for the
+    handler's 'done' line of that request. Returns the texts read and the tokens it generated."""
+    r = server.post(body | {"stream": True}, stream=True)
+    lines = r.iter_lines()
+    received = [json.loads(next(lines))["text"] for _ in range(read)]
+    r.close()
+    request_id = r.headers["x-request-id"]
+    deadline = time.time() + 30
+    while not (done := re.search(rf"done {request_id} rank=0 .* generated=\[(\d+)\]", server.log())):
+        assert time.time() < deadline, "the handler never let the request go"
+        # TorchServe sends the worker nothing while no request is in flight: one that is lets
+        # the worker learn that the stream is gone and free its blocks
+        server.generate({"prompt": "ping", "max_new_tokens": 1})
+    return received, int(done.group(1))
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from conftest import decoded_after_leaving
 from handler import FAULT
 
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
@@ -119,19 +120,9 @@ def test_disconnect_stops_decoding_within_a_step(server):
     TorchServe's round trip). The request's 'done' line counts its tokens. (A server that
     ran several steps per iteration would decode that many more.)"""
     for _ in range(3):
-        r = server.post(LONG | {"stream": True}, stream=True)
-        lines = r.iter_lines()
-        received = [json.loads(next(lines))["text"] for _ in range(10)]
+        received, generated = decoded_after_leaving(server, LONG, 10)
         assert all(received)  # one token a line (steps_per_iteration 1; no character split here)
-        r.close()
-        request_id = r.headers["x-request-id"]
-        deadline = time.time() + 30
-        while not (done := re.search(rf"done {request_id} rank=0 .* generated=\[(\d+)\]", server.log())):
-            assert time.time() < deadline, "the handler never let the request go"
-            # TorchServe sends the worker nothing while no request is in flight: one that
-            # is lets the worker learn that the stream is gone and free its blocks
-            server.generate({"prompt": "ping", "max_new_tokens": 1})
-        assert len(received) <= int(done.group(1)) <= len(received) + 3, (done.group(1), received)
+        assert len(received) <= generated <= len(received) + 3, (generated, received)
 
 
 def test_a_failure_in_preprocess_costs_that_request_only(server, demo_llama):

@@ -6,16 +6,12 @@ equal the in-process ones. That server runs several engine steps per TorchServe 
 turn with the round trip (the CPU default): stop strings, max_new_tokens and a client that
 leaves still end a stream where they should."""
 
-import json
-import re
-import time
-
 import openai
 import pytest
 
 import generate as G
 import llama2
-from conftest import SERVER_SLOTS
+from conftest import SERVER_SLOTS, decoded_after_leaving
 from handler import IN_TURN_STEPS
 from local_server import start_server
 
@@ -142,13 +138,6 @@ def test_in_turn_disconnect_stops_decoding_at_the_next_iteration(llama3_server):
     way cannot hear of it sooner.)"""
     srv, _ = llama3_server
     for _ in range(2):
-        r = srv.post(LONG | {"stream": True}, stream=True)
-        lines = r.iter_lines()
-        assert json.loads(next(lines))["text"] is not None
-        r.close()
-        request_id = r.headers["x-request-id"]
-        deadline = time.time() + 30
-        while not (done := re.search(rf"done {request_id} rank=0 .* generated=\[(\d+)\]", srv.log())):
-            assert time.time() < deadline, "the handler never let the request go"
-            srv.generate({"prompt": "ping", "max_new_tokens": 1})  # an iteration, to hear of it
-        assert int(done.group(1)) <= 1 + 2 * MOST_STEPS, done.group(0)
+        (first,), generated = decoded_after_leaving(srv, LONG, 1)
+        assert first is not None
+        assert generated <= 1 + 2 * MOST_STEPS, generated
