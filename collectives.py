@@ -26,6 +26,7 @@ import platform
 import threading
 import time
 import uuid
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,8 @@ SLOT_BYTES = 1 << 20  # a rank's part of one buffer: 32 decode rows of dim 8192 
 SPINS = 100  # polls before a waiting rank yields its core to whoever else needs it
 YIELD_S, NAP_S = 0.002, 0.0001  # after 2 ms of waiting, sleep 0.1 ms between polls
 LIVENESS_S = 0.5  # how often a waiting rank checks that the others are still alive
+MESSAGE_BYTES = 4096  # what broadcast_bytes sends in one go
+IDLE_FOREVER = timedelta(days=3650)  # a follower waits for rank 0's next batch as long as the server idles
 SEGMENTS = "/dev/shm"  # where the segment's file is made: memory, not disk
 
 logger = logging.getLogger(__name__)
@@ -219,3 +222,31 @@ def reduce_in_segment(x: torch.Tensor):
 @torch.compiler.disable
 def gather_in_segment(x: torch.Tensor) -> torch.Tensor:
     return _channel.exchange(x, GATHER, lambda parts: torch.cat(parts.unbind(0), dim=-1))
+
+
+# --- rank 0's messages to the other ranks (handler.py: each iteration's batch) --------------
+
+def leader_group():
+    """A gloo group of every rank for rank 0's messages, on CPU and apart from the model's
+    collectives, whose waits never time out: the other ranks wait there while the server
+    idles. A collective call: every rank makes it."""
+    return dist.new_group(backend="gloo", timeout=IDLE_FOREVER)
+
+
+def broadcast_bytes(payload: bytes | None, group) -> bytes:
+    """Rank 0's payload on every rank of group (the others pass None). One broadcast of
+    MESSAGE_BYTES carries its length and a payload that fits (most batches: 0.3 ms between
+    two CPU ranks, half of what a second one costs); a longer one sends its rest after."""
+    head = torch.empty(MESSAGE_BYTES, dtype=torch.uint8)
+    if payload is not None:
+        head[:8].view(torch.int64)[0] = len(payload)
+        first = payload[:MESSAGE_BYTES - 8]
+        head[8:8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+    dist.broadcast(head, src=0, group=group)
+    size = int(head[:8].view(torch.int64)[0])
+    if size <= MESSAGE_BYTES - 8:
+        return head[8:8 + size].numpy().tobytes()
+    rest = (torch.frombuffer(bytearray(payload[MESSAGE_BYTES - 8:]), dtype=torch.uint8) if payload is not None
+            else torch.empty(size - (MESSAGE_BYTES - 8), dtype=torch.uint8))
+    dist.broadcast(rest, src=0, group=group)
+    return head[8:].numpy().tobytes() + rest.numpy().tobytes()

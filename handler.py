@@ -7,15 +7,23 @@ sequence, prompts or chunks of them for the ones it admits), and each request ge
 message only when it has one: its answer, a streamed chunk, or an error. With
 handler.overlap, the steps run on the engine's thread between iterations, while TorchServe
 carries the messages out and brings the next batch. Requests without a message this time
-are left out of the response, so TorchServe keeps them and sends them again. torchrun
-starts one worker per rank; every rank receives the same requests in the same order and
-does the same work, and only rank 0's answers go out.
+are left out of the response, so TorchServe keeps them and sends them again.
+
+torchrun starts one worker per rank, and TorchServe sends every rank each batch, but only
+rank 0's answers go out, and the other ranks' copies cannot be relied on: TorchServe 0.12
+writes each rank's copy from a thread of its own that reads the batch only when it runs
+(WorkerThread.run), so a late one sends the next batch instead, or none. So rank 0 leads:
+it sends each batch it gets to the other ranks (collectives.broadcast_bytes), and they run
+that iteration on a thread of their own (follow), ignoring TorchServe's copies. Every rank
+thus does the same work in the same order.
 """
 
+import base64
 import hashlib
 import json
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -61,6 +69,7 @@ FAULT_AFTER = 32
 
 class LlamaHandler(BaseHandler):
     test_faults = False
+    leader = None  # with more than one rank: the group rank 0 sends its batches on
 
     def initialize(self, ctx):
         self.rank = int(os.environ.get("RANK", "0"))
@@ -147,11 +156,16 @@ class LlamaHandler(BaseHandler):
         self.use_engine(engine, steps, overlap)
         self.limits.max_prompts = min(self.limits.max_prompts, slots)
         self.rank0 = self.rank == 0
+        self.model_name = ctx.model_name
         self.created = int(time.time())
         self.test_faults = os.environ.get("LLAMA_TEST_FAULTS") == "1"
         # Bodies reach the handler as bytes, not as JSON TorchServe decoded leniently (NaN,
         # scalars): read_body checks every one against limits.max_body_bytes and parses it strictly.
         os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
+        if self.world_size > 1:
+            self.leader = collectives.leader_group()
+            if not self.rank0:
+                threading.Thread(target=self.follow, name="follow rank 0", daemon=True).start()
 
     def progress(self, stage: str, **figures):
         """Log a stage of loading on this rank as tools/wait_ready.py reads it, e.g.
@@ -180,31 +194,72 @@ class LlamaHandler(BaseHandler):
     # batch coming in), and the next iteration waits for them before it reads the batch.
     # Without, each iteration runs its steps before it answers.
 
+    def handle(self, data, context):
+        """Rank 0 serves TorchServe's batches; the other ranks follow rank 0's instead."""
+        if not self.rank0:
+            return [""] * len(data)  # never sent: TorchServe takes rank 0's answers only
+        return super().handle(data, context)
+
+    def follow(self):
+        """The ranks other than 0, on a thread of their own: each iteration rank 0 leads,
+        with the batch it sends."""
+        while True:
+            try:
+                batch = json.loads(collectives.broadcast_bytes(None, self.leader))
+            except Exception:
+                exit_for_a_restart("lost rank 0")
+            try:
+                self.inference(self.admit(batch))
+            except Exception:  # as TorchServe answers rank 0's handle() raising: the worker goes on
+                logger.exception("iteration failed")
+
     def preprocess(self, data):
-        """Wait for the steps the last iteration started, forget the requests TorchServe no
-        longer sends (their client went away) and read the new ones. Returns the messages
-        to send now (errors, the model list), by batch index."""
+        """Read TorchServe's batch, send it to the other ranks and admit it (admit)."""
+        batch = self.read_batch(data)
+        if self.leader is not None:
+            try:
+                collectives.broadcast_bytes(json.dumps(batch).encode(), self.leader)
+            except Exception:
+                exit_for_a_restart("lost a rank")
+        return self.admit(batch)
+
+    def read_batch(self, data) -> list[dict]:
+        """TorchServe's batch as every rank reads it, in batch order: each request's id, URL
+        path and protocol, and the body of each request new to the handler."""
+        batch = []
+        for idx, req_id in sorted(self.context.request_ids.items()):
+            item = {"id": req_id, "path": self.context.get_request_header(idx, "url_path") or "",
+                    "http": self.is_http(idx)}
+            if req_id not in self.jobs:
+                item["body"] = pack_body(data[idx])
+            batch.append(item)
+        return batch
+
+    def admit(self, batch: list[dict]):
+        """Wait for the steps the last iteration started, forget the requests no longer in
+        the batch (their client went away) and read the new ones. Returns the messages to
+        send now (errors, the model list), by batch index."""
         self.wait_for_steps()
-        ids = self.context.request_ids
-        for req_id in set(self.jobs) - set(ids.values()):
+        self.batch = batch
+        for req_id in set(self.jobs) - {item["id"] for item in batch}:
             self.forget(req_id)
         self.idle = not self.engine.running
         immediate = {}
-        for idx, req_id in ids.items():
-            if req_id in self.jobs:
+        for idx, item in enumerate(batch):
+            if "body" not in item:
                 continue
-            path = self.context.get_request_header(idx, "url_path") or ""
-            route = ROUTES.get(path)
-            fmt = openai_api if path.startswith("v1") or route in AT_ONCE else api
+            route = ROUTES.get(item["path"])
+            fmt = openai_api if item["path"].startswith("v1") or route in AT_ONCE else api
             try:
-                if route in AT_ONCE:
-                    immediate[idx] = json.dumps(self.answer_at_once(route, data[idx])), 200, JSON, "once"
+                if route in AT_ONCE:  # nothing to do on the other ranks
+                    immediate[idx] = (json.dumps(self.answer_at_once(route, unpack_body(item["body"]))), 200, JSON,
+                                      "once") if self.rank0 else None
                     continue
-                self.jobs[req_id] = self.new_job(idx, req_id, route, data[idx])
+                self.jobs[item["id"]] = self.new_job(item, route)
             except RequestError as e:
                 immediate[idx] = error_message(fmt, e)
             except Exception as e:  # a bug must cost one request, never the worker
-                logger.exception("cannot read request %s", req_id)
+                logger.exception("cannot read request %s", item["id"])
                 immediate[idx] = error_message(fmt, RequestError(f"internal error: {e}", None, status=500))
         return immediate
 
@@ -217,16 +272,16 @@ class LlamaHandler(BaseHandler):
             self.start_steps()
             self.wait_for_steps()
         messages = {}
-        for idx, req_id in self.context.request_ids.items():
+        for idx, item in enumerate(self.batch):
             if idx in immediate:
-                messages[idx] = self.is_http(idx), immediate[idx]
+                messages[idx] = item["http"], immediate[idx]
                 continue
-            job = self.jobs[req_id]
+            job = self.jobs[item["id"]]
             message = self.message(job)
             messages[idx] = job.http, message
             if message is not None and message[3] != "chunk":  # the request's last message
                 self.record_metrics(job)
-                self.forget(req_id)
+                self.forget(item["id"])
         if self.rank0:
             self.record_engine_metrics()
         if self.overlap:
@@ -306,37 +361,33 @@ class LlamaHandler(BaseHandler):
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return
         if isinstance(error, collectives.OutOfStep):
-            logger.critical("the tensor-parallel ranks are out of step; exiting so that TorchServe restarts the worker")
-            os._exit(1)
+            exit_for_a_restart("the tensor-parallel ranks are out of step")
         try:
             dist.all_reduce(torch.zeros(1, device=self.engine.device))  # every rank failed alike: fine
         except Exception:
-            logger.critical("the tensor-parallel ranks cannot reach each other; exiting so that TorchServe "
-                            "restarts the worker", exc_info=True)
-            os._exit(1)
+            exit_for_a_restart("the tensor-parallel ranks cannot reach each other")
 
     # --- requests ---------------------------------------------------------------------
 
-    def answer_at_once(self, route: str, data: dict) -> dict:
+    def answer_at_once(self, route: str, raw) -> dict:
         if route == "models":
-            return openai_api.models(self.context.model_name, self.created)
+            return openai_api.models(self.model_name, self.created)
         if route == "tokenizer_info":
             return openai_api.tokenizer_info(self.tokenizer, self.max_seq_len)
-        body = api.read_body(request_body(data), self.limits)
+        body = api.read_body(request_body(raw), self.limits)
         if route == "tokenize":
             return openai_api.tokenize(body, self.tokenizer, self.max_seq_len, self.limits)
         return openai_api.detokenize(body, self.tokenizer)
 
-    def new_job(self, idx: int, req_id: str, route: str | None, data: dict) -> Job:
+    def new_job(self, item: dict, route: str | None) -> Job:
         if route is None:
-            path = self.context.get_request_header(idx, "url_path")
-            raise RequestError(f"no route /{path}; the routes are /, /v1/completions, /v1/chat/completions, "
+            raise RequestError(f"no route /{item['path']}; the routes are /, /v1/completions, /v1/chat/completions, "
                                "/v1/models, /tokenizer_info, /tokenize and /detokenize", "url", status=404)
-        body = api.read_body(request_body(data), self.limits)
+        body = api.read_body(request_body(unpack_body(item["body"])), self.limits)
         if route == "native":
             request = api.parse_native(body, self.limits, self.defaults)
         else:
-            request = openai_api.parse(route, body, self.context.model_name, self.limits, self.defaults)
+            request = openai_api.parse(route, body, self.model_name, self.limits, self.defaults)
         self.inject_fault("preprocess", request.inputs)
         prompts = api.sequences(request, self.tokenizer, self.max_seq_len, self.limits, self.defaults)
         for tokens, params in prompts:  # all checks before any sequence is queued
@@ -344,9 +395,9 @@ class LlamaHandler(BaseHandler):
                 self.engine.check(tokens, params)
             except ValueError as e:
                 raise RequestError(str(e), "prompt") from None
-        meta = {"id": f"{'chatcmpl' if request.chat else 'cmpl'}-{req_id}", "created": int(time.time()),
-                "model": self.context.model_name}
-        job = Job(request, self.is_http(idx), prompts, meta)
+        meta = {"id": f"{'chatcmpl' if request.chat else 'cmpl'}-{item['id']}", "created": int(time.time()),
+                "model": self.model_name}
+        job = Job(request, item["http"], prompts, meta)
         job.seqs = [self.engine.add(tokens, params) for tokens, params in prompts]
         return job
 
@@ -433,8 +484,27 @@ class LlamaHandler(BaseHandler):
             metrics.add_metric("TimePerOutputToken", per_token, "s", metric_type=MetricTypes.HISTOGRAM)
 
 
-def request_body(data: dict):
+def exit_for_a_restart(why: str):
+    """This worker can no longer decode right: exit, and TorchServe fails the requests in
+    flight ("Worker died.") and starts a new one (exit_if_the_ranks_are_broken)."""
+    logger.critical("%s; exiting so that TorchServe restarts the worker", why, exc_info=True)
+    os._exit(1)
+
+
+def pack_body(data: dict) -> dict:
+    """A request's body as TorchServe hands it over (bytes, a str or a JSON value it decoded),
+    in JSON for the other ranks; unpack_body gives it back."""
     raw = data.get("body") if data.get("body") is not None else data.get("data")
+    if isinstance(raw, (bytes, bytearray)):
+        return {"bytes": base64.b64encode(raw).decode("ascii")}
+    return {"value": raw}
+
+
+def unpack_body(packed: dict):
+    return base64.b64decode(packed["bytes"]) if "bytes" in packed else packed["value"]
+
+
+def request_body(raw):
     if raw is None:
         raise RequestError("no JSON body found: send one with Content-Type: application/json "
                            "(curl: -H 'Content-Type: application/json')", "body", status=415)

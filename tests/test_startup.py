@@ -371,6 +371,7 @@ def test_a_config_without_handler_keys_gets_the_defaults(tmp_path, monkeypatch):
     os.symlink(os.path.abspath(DEMO), tmp_path / "weights")
 
     class Context:
+        model_name = "llama"
         model_yaml_config = {"continuousBatching": True}
         system_properties = {"model_dir": str(tmp_path), "batch_size": 2}
 

@@ -1,0 +1,37 @@
+"""The handler at TP=2 follows rank 0's batches, not TorchServe's copies: TorchServe 0.12
+may send a rank other than 0 the next batch instead of the current one, or none
+(handler.py's docstring). tests/handler_worker.py serves a few requests arriving over
+several iterations as TorchServe's backend would, giving rank 1 other batches, in turn
+and with overlapped steps."""
+
+import json
+
+import pytest
+
+from handler_worker import DECODED, REQUESTS
+from torchrun import run
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_ranks_follow_rank_0s_batches(tmp_path, demo_llama, overlap):
+    ranks = run("handler_worker.py", 2, tmp_path, "true" if overlap else "false", timeout=240)
+    answers = ranks[0]["answers"]
+    bodies = {rid: body for _, rid, _, body in REQUESTS}
+
+    def reference(rid, n):
+        prompt = bodies[rid]["prompt"]
+        return [a["generation"] for a in demo_llama.text_completion(prompt if isinstance(prompt, list) else [prompt],
+                                                                  n, temperature=0)]
+
+    streamed = [json.loads(line) for message in answers["stream"] for line in message.splitlines()]
+    assert "".join(m.get("text", "") for m in streamed) == reference("stream", 24)[0]
+    assert [c["generation"] for c in json.loads(answers["two"][0])] == reference("two", 12)
+    events = [json.loads(line[6:]) for message in answers["openai"] for line in message.splitlines()
+              if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == reference("openai", 10)[0]
+    assert json.loads(answers["tokenize"][0])["tokens"] == demo_llama.tokenizer.encode("hello", bos=True, eos=False)
+    assert "max_new_tokens" in json.loads(answers["refused"][0])["message"]
+    # rank 1 decoded the same tokens for the same requests, and scheduled as rank 0 did
+    assert sorted(ranks[0]["finished"]) == sorted(ranks[1]["finished"]) == sorted(DECODED)
+    assert ranks[1]["finished"] == ranks[0]["finished"]
+    assert ranks[1]["digest"] == ranks[0]["digest"]
