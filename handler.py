@@ -12,10 +12,11 @@ are left out of the response, so TorchServe keeps them and sends them again.
 torchrun starts one worker per rank, and TorchServe sends every rank each batch, but only
 rank 0's answers go out, and the other ranks' copies cannot be relied on: TorchServe 0.12
 writes each rank's copy from a thread of its own that reads the batch only when it runs
-(WorkerThread.run), so a late one sends the next batch instead, or none. So rank 0 leads:
-it sends each batch it gets to the other ranks (collectives.broadcast_bytes), and they run
-that iteration on a thread of their own (follow), ignoring TorchServe's copies. Every rank
-thus does the same work in the same order.
+(WorkerThread.run), so a late one sends the batch after, or none, whenever rank 0 answers
+without waiting for the others. So rank 0 leads: each iteration begins with rank 0 sending
+the batch it got to the other ranks (collectives.broadcast_bytes), which use it instead of
+their own copy. Rank 0 cannot answer before every rank has received that, so each rank's
+copy is the same batch, and every rank does the same work in the same order.
 """
 
 import base64
@@ -23,7 +24,6 @@ import hashlib
 import json
 import logging
 import os
-import threading
 import time
 
 import torch
@@ -164,8 +164,6 @@ class LlamaHandler(BaseHandler):
         os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
         if self.world_size > 1:
             self.leader = collectives.leader_group()
-            if not self.rank0:
-                threading.Thread(target=self.follow, name="follow rank 0", daemon=True).start()
 
     def progress(self, stage: str, **figures):
         """Log a stage of loading on this rank as tools/wait_ready.py reads it, e.g.
@@ -194,34 +192,17 @@ class LlamaHandler(BaseHandler):
     # batch coming in), and the next iteration waits for them before it reads the batch.
     # Without, each iteration runs its steps before it answers.
 
-    def handle(self, data, context):
-        """Rank 0 serves TorchServe's batches; the other ranks follow rank 0's instead."""
-        if not self.rank0:
-            return [""] * len(data)  # never sent: TorchServe takes rank 0's answers only
-        return super().handle(data, context)
-
-    def follow(self):
-        """The ranks other than 0, on a thread of their own: each iteration rank 0 leads,
-        with the batch it sends."""
-        while True:
-            try:
-                batch = json.loads(collectives.broadcast_bytes(None, self.leader))
-            except Exception:
-                exit_for_a_restart("lost rank 0")
-            try:
-                self.inference(self.admit(batch))
-            except Exception:  # as TorchServe answers rank 0's handle() raising: the worker goes on
-                logger.exception("iteration failed")
-
     def preprocess(self, data):
-        """Read TorchServe's batch, send it to the other ranks and admit it (admit)."""
-        batch = self.read_batch(data)
-        if self.leader is not None:
-            try:
-                collectives.broadcast_bytes(json.dumps(batch).encode(), self.leader)
-            except Exception:
-                exit_for_a_restart("lost a rank")
-        return self.admit(batch)
+        """Rank 0's reading of TorchServe's batch, on every rank (the others' own copies
+        go unread), admitted (admit)."""
+        batch = self.read_batch(data) if self.rank0 else None
+        if self.leader is None:
+            return self.admit(batch)
+        try:
+            payload = collectives.broadcast_bytes(json.dumps(batch).encode() if self.rank0 else None, self.leader)
+        except Exception:
+            exit_for_a_restart("lost a rank")
+        return self.admit(json.loads(payload))  # the same bits on every rank
 
     def read_batch(self, data) -> list[dict]:
         """TorchServe's batch as every rank reads it, in batch order: each request's id, URL
@@ -292,6 +273,8 @@ class LlamaHandler(BaseHandler):
         """The message of each request that has one; the others are left out (TorchServe
         keeps them for the next iteration)."""
         ids = self.context.request_ids
+        if not self.rank0:
+            return [""] * len(ids)  # never sent: TorchServe takes rank 0's answers only
         out = [""] * len(ids)
         stream_next = [None] * len(ids)
         for idx, (http, message) in messages.items():

@@ -4,15 +4,13 @@
 
 serves DEMO with handler.LlamaHandler as TorchServe's backend does (ts.context.Context, each
 batch read by ts.service.Service.retrieve_data_for_inference). Rank 0 gets the batches of
-REQUESTS, each arriving at its iteration; the other ranks get what TorchServe 0.12 may send
-them instead (WorkerThread.run): another request, a batch twice, fewer batches. Rank 0
-saves its answers, every rank the tokens of each request it finished and its scheduler's
-digest."""
+REQUESTS, each arriving at its iteration; the other ranks get a wrong copy of each (as
+TorchServe 0.12 may send: handler.py's docstring). Rank 0 saves its answers, every rank
+the tokens of each request it finished and its scheduler's digest."""
 
 import json
 import os
 import sys
-import time
 
 import torch
 import ts
@@ -85,11 +83,14 @@ def lead(h, ctx: Context) -> dict:
     return answers
 
 
-def follow(h, ctx: Context):
-    """The other ranks: TorchServe's copies, wrong ones among them, while rank 0 leads."""
-    for _ in range(2):
-        deliver(h, ctx, [(rid, path, body) for _, rid, path, body in OTHER])
-    deliver(h, ctx, [(rid, path, body) for _, rid, path, body in REQUESTS[:1]])
+def follow(h, ctx: Context, finished: dict):
+    """The other ranks: an iteration for each of rank 0's, each on a wrong copy of its
+    batch (another request, or the first one's alone), until the decoded requests are done."""
+    wrong = [OTHER, REQUESTS[:1]]
+    iteration = 0
+    while set(finished) != set(DECODED):
+        deliver(h, ctx, [(rid, path, body) for _, rid, path, body in wrong[iteration % 2]])
+        iteration += 1
 
 
 def main():
@@ -112,17 +113,9 @@ def main():
     if rank == 0:
         result["answers"] = lead(h, ctx)
     else:
-        follow(h, ctx)
-    deadline = time.time() + 60
-    while set(finished) != set(DECODED) and time.time() < deadline:  # the other ranks' follow thread
-        time.sleep(0.05)
+        follow(h, ctx, finished)
     result |= {"finished": finished, "digest": h.engine.scheduler.digest.hexdigest()}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    # rank 0 goes last: the others' follow thread, waiting for its next batch, would see it gone
-    while rank == 0 and not all(os.path.exists(os.path.join(out_dir, f"rank{r}.pt"))
-                                for r in range(1, int(os.environ["WORLD_SIZE"]))):
-        time.sleep(0.05)
-    os._exit(0)
 
 
 if __name__ == "__main__":
