@@ -1,12 +1,12 @@
 """One rank of test_handler_tp.py, started by torchrun (tests/torchrun.py):
 
-    handler_worker.py OUT_DIR OVERLAP
+    handler_worker.py OUT_DIR OVERLAP CHECKPOINT
 
-serves DEMO with handler.LlamaHandler as TorchServe's backend does (ts.context.Context, each
-batch read by ts.service.Service.retrieve_data_for_inference). Rank 0 gets the batches of
-REQUESTS, each arriving at its iteration; the other ranks get a wrong copy of each (as
-TorchServe 0.12 may send: handler.py's docstring). Rank 0 saves its answers, every rank
-the tokens of each request it finished and its scheduler's digest."""
+serves CHECKPOINT (the tests' DEMO) with handler.LlamaHandler as TorchServe's backend does
+(ts.context.Context, each batch read by ts.service.Service.retrieve_data_for_inference).
+Rank 0 gets the batches of REQUESTS, each arriving at its iteration; the other ranks get a
+wrong copy of each (as TorchServe 0.12 may send: handler.py's docstring). Rank 0 saves its
+answers, every rank the tokens of each request it finished and its scheduler's digest."""
 
 import json
 import os
@@ -20,7 +20,6 @@ from ts.service import Service
 
 import handler
 
-DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "demo")
 # (iteration it arrives at, id, url path, body)
 REQUESTS = [
     (0, "stream", "", {"prompt": "Once upon a time", "max_new_tokens": 24, "temperature": 0, "stream": True}),
@@ -35,10 +34,10 @@ PADDED = "two"  # its body ends in 5,000 spaces: more than one broadcast (collec
 OTHER = [(0, "other", "", {"prompt": "Something else", "max_new_tokens": 30, "temperature": 0})]
 
 
-def context(out_dir: str, overlap: bool) -> Context:
+def context(out_dir: str, overlap: bool, checkpoint: str) -> Context:
     metrics = MetricsCacheYamlImpl(os.path.join(os.path.dirname(ts.__file__), "configs", "metrics.yaml"))
     metrics.initialize_cache()
-    settings = {"checkpoint": DEMO, "max_seq_len": 512, "overlap": overlap}
+    settings = {"checkpoint": checkpoint, "max_seq_len": 512, "overlap": overlap}
     if overlap:
         settings["steps_per_iteration"] = 1
     return Context("llama", out_dir, None, 4, None, ts.__version__, metrics=metrics,
@@ -94,10 +93,10 @@ def follow(h, ctx: Context, finished: dict):
 
 
 def main():
-    out_dir, overlap = sys.argv[1], sys.argv[2] == "true"
+    out_dir, overlap, checkpoint = sys.argv[1], sys.argv[2] == "true", os.path.abspath(sys.argv[3])
     rank = int(os.environ["RANK"])
     h = handler.LlamaHandler()
-    ctx = context(out_dir, overlap)
+    ctx = context(out_dir, overlap, checkpoint)
     h.initialize(ctx)
     finished = {}
     forget = h.forget

@@ -8,13 +8,14 @@ import json
 
 import pytest
 
+from conftest import DEMO
 from handler_worker import DECODED, REQUESTS
 from torchrun import run
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_ranks_follow_rank_0s_batches(tmp_path, demo_llama, overlap):
-    ranks = run("handler_worker.py", 2, tmp_path, "true" if overlap else "false", timeout=240)
+    ranks = run("handler_worker.py", 2, tmp_path, "true" if overlap else "false", DEMO, timeout=240)
     answers = ranks[0]["answers"]
     bodies = {rid: body for _, rid, _, body in REQUESTS}
 
