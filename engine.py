@@ -9,7 +9,8 @@ Every tensor-parallel rank must make the same calls in the same order: the sched
 decides alike on every rank, and the sampled tokens are broadcast from rank 0.
 
 A server runs the steps on the engine's own thread (start, then wait), so that they
-overlap what it does meanwhile; run() and step() work on the caller's thread too."""
+overlap what it does meanwhile; run() and step() work on the caller's thread too, and an
+engine made with threaded=False runs start()'s function on the caller's thread as well."""
 
 import itertools
 import time
@@ -27,10 +28,12 @@ from tokenizer import TextStream
 
 class Engine:
     def __init__(self, model, tokenizer, max_seqs: int | None = None, max_batched_tokens: int = 0,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, threaded: bool = True):
         """max_seqs: the most sequences decoded together (default: the model's
         max_batch_size); max_batched_tokens: the most tokens one step computes (0: no
-        limit); prefix_caching: reuse the cached blocks that a prompt starts with."""
+        limit); prefix_caching: reuse the cached blocks that a prompt starts with;
+        threaded: start() runs on a thread of the engine's own (else at once, on the
+        caller's: a server whose steps run in turn with its own work)."""
         self.model, self.tokenizer = model, tokenizer
         self.device = model.tok_embeddings.weight.device
         self.max_seq_len = model.params.max_seq_len
@@ -39,9 +42,11 @@ class Engine:
         self.ids = itertools.count()
         # The model runs on a thread of the engine's own (start, wait), so that a server's
         # round trip overlaps the steps; torch captures and replays CUDA graphs per thread,
-        # so compiling happens there too, and the thread works on this rank's GPU.
+        # so compiling happens there too, and the thread works on this rank's GPU. On a
+        # CPU, steps on the thread that loaded the model measured 3-6 % faster (one OpenMP
+        # team instead of two: BENCHMARKS.md, serving engine).
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=use_device,
-                                         initargs=(self.device,))
+                                         initargs=(self.device,)) if threaded else None
         self.pending: Future | None = None
         self.pace = 0.0  # seconds per step in the last run(), 0 before the first
 
@@ -95,10 +100,18 @@ class Engine:
             self.scheduler.remove(seq)
 
     def start(self, fn, *args):
-        """fn(*args) (run(), or the model's compile_decode) on the engine's thread. Until
-        wait(), the caller touches neither the engine nor its sequences."""
+        """fn(*args) (run(), or the model's compile_decode) on the engine's thread, or now on
+        this one (threaded=False). Until wait(), the caller touches neither the engine nor
+        its sequences."""
         assert self.pending is None, "wait() for what the engine runs before starting more"
-        self.pending = self.thread.submit(fn, *args)
+        if self.thread:
+            self.pending = self.thread.submit(fn, *args)
+            return
+        self.pending = Future()  # done before start() returns; wait() gives its outcome
+        try:
+            self.pending.set_result(fn(*args))
+        except Exception as e:
+            self.pending.set_exception(e)
 
     def wait(self):
         """What the function start() began returned (None if nothing was started); its

@@ -145,7 +145,7 @@ class LlamaHandler(BaseHandler):
                     max_batched_tokens or "unlimited",
                     f"{steps[0]} to {steps[1]} steps (those that fit in {steps[2] * 1000:.0f} ms)" if steps[2]
                     else f"{steps[0]} step(s)", ", overlapping TorchServe's round trip" if overlap else "")
-        engine = Engine(model, llama.tokenizer, slots, max_batched_tokens, prefix_caching)
+        engine = Engine(model, llama.tokenizer, slots, max_batched_tokens, prefix_caching, threaded=overlap)
         if compile_decode:  # on the thread that will run the steps
             start = time.perf_counter()
             engine.start(model.compile_decode)
@@ -190,7 +190,8 @@ class LlamaHandler(BaseHandler):
     # With overlap, the engine's steps run on its own thread, started at the end of an
     # iteration: they overlap TorchServe's round trip (the messages going out, the next
     # batch coming in), and the next iteration waits for them before it reads the batch.
-    # Without, each iteration runs its steps before it answers.
+    # Without, each iteration runs its steps before it answers, on TorchServe's thread (the
+    # one that loaded the model: on a CPU, a second thread's OpenMP team measured slower).
 
     def preprocess(self, data):
         """Rank 0's reading of TorchServe's batch, on every rank (the others' own copies
@@ -303,7 +304,7 @@ class LlamaHandler(BaseHandler):
         self.engine.start(self.run_steps, fault)
 
     def run_steps(self, fault: bool) -> tuple[int, float]:
-        """On the engine's thread: the steps, and how long they took (ms)."""
+        """The steps (on the engine's thread with overlap), and how long they took (ms)."""
         if fault:
             raise RuntimeError("injected fault in decode (LLAMA_TEST_FAULTS=1)")
         begin = time.perf_counter()

@@ -208,6 +208,38 @@ def test_steps_started_on_the_engine_thread_equal_the_callers():
         engine.wait()
 
 
+def test_an_engine_without_a_thread_runs_start_at_once_on_the_callers():
+    """threaded=False (a server whose steps run in turn with its own work): start() has run
+    the function on the caller's thread when it returns; wait() gives its result, or raises
+    its exception, once."""
+    import threading
+
+    llama = demo()
+    tok, params = llama.tokenizer, SamplingParams(max_gen_len=8, temperature=0)
+    prompt = tok.encode("Once upon a time", bos=True, eos=False)
+    reference = Engine(llama.model, tok)
+    expected = reference.add(prompt, params)
+    while reference.running:
+        reference.step()
+    engine = Engine(llama.model, tok, threaded=False)
+    seq, threads, runs = engine.add(prompt, params), set(), []
+    while engine.running:
+        before = len(runs)
+        engine.start(lambda: threads.add(threading.current_thread()) or runs.append(engine.run(3)) or runs[-1])
+        assert len(runs) == before + 1  # ran before start() returned
+        with pytest.raises(AssertionError, match="wait"):
+            engine.start(engine.run, 1)
+        assert engine.wait() == runs[-1] >= 1
+    assert seq.tokens == expected.tokens and threads == {threading.current_thread()}
+    assert engine.wait() is None
+    engine.add(prompt, params)
+    llama.model.forward_batch = lambda batch: 1 / 0
+    engine.start(engine.step)  # the exception waits for wait()
+    with pytest.raises(ZeroDivisionError):
+        engine.wait()
+    assert engine.wait() is None
+
+
 def test_blocks_running_out_preempt_and_recompute():
     """A pool of 9 blocks of 16 tokens for four sequences of 33-44 tokens: some are
     preempted and recomputed, none fails, and every one gets the tokens it gets alone."""
