@@ -48,11 +48,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ROUTES = {"": "native", "v1/completions": "completions", "v1/chat/completions": "chat", "v1/models": "models",
           "tokenizer_info": "tokenizer_info", "tokenize": "tokenize", "detokenize": "detokenize"}
 AT_ONCE = {"models", "tokenizer_info", "tokenize", "detokenize"}  # answered without decoding
-# Steps in turn with TorchServe's round trip (a few ms): an iteration runs at least 4 steps,
-# more if they fit in 100 ms (at most 16), so that the round trip and the slower first step
-# after it cost little; a request that arrives meanwhile waits that long to start
-# (BENCHMARKS.md, serving engine: fewer steps for slow models measured slower).
-IN_TURN_SECONDS, IN_TURN_STEPS = 0.1, (4, 16)
+# Steps in turn with TorchServe's round trip (5-8 ms here): an iteration runs at least 4 steps,
+# more if they fit in 200 ms (at most 16), so that the round trip and the slower first step
+# after it cost little; a request that arrives meanwhile waits that long to start, and a
+# stream comes in chunks that far apart (BENCHMARKS.md, serving engine: fewer steps for slow
+# models measured slower; 100 ms left a single stream at 0.89-0.95 of the in-process engine).
+IN_TURN_SECONDS, IN_TURN_STEPS = 0.2, (4, 16)
 JSON = "application/json"
 
 

@@ -7,8 +7,8 @@ private TorchServes (tools/local_server.py) serving one random Llama (TP=2 on CP
   idle and busy TTFT) on the baseline (the engine before the paged KV cache: --baseline,
   built from that commit), on this engine with its steps overlapping TorchServe's round
   trip, one per iteration (handler.overlap true: a GPU's default), and on this engine as
-  configured (handler.overlap auto: on this CPU, unless a core is left over, 4 steps per
-  iteration, more if they fit in 100 ms, in turn with the round trip).
+  configured (handler.overlap auto: on this CPU, unless a core is left over, handler.py's
+  IN_TURN_STEPS and IN_TURN_SECONDS, in turn with the round trip).
 - shared: 64 chat requests sharing a 512-token system prompt, 32-token user turns, 8
   clients: prefix caching on against off.
 - memory: 48-token prompts and 48 new tokens, 32 clients, with the baseline's KV memory
@@ -41,10 +41,12 @@ import requests
 import report
 import serving
 import collectives
+from handler import IN_TURN_SECONDS, IN_TURN_STEPS
 from scheduler import default_token_budget
 
 ROOT = serving.ROOT
 SHAPES = {"26M": (512, 8, 8), "110M": (768, 12, 12)}  # dim, layers, heads: bench/decode.py's
+IN_TURN = f"{IN_TURN_STEPS[0]} steps per iteration or more in {IN_TURN_SECONDS * 1000:.0f} ms"  # the CPU default
 
 
 # --- servers --------------------------------------------------------------------------------
@@ -432,7 +434,7 @@ ratio compares servers measured in this run.
 
 {today_table(t)}
 
-- The engine as configured (here: 4 steps per iteration, more if they fit in 100 ms, in turn with TorchServe's round trip) against the \
+- The engine as configured (here: {IN_TURN}, in turn with TorchServe's round trip) against the \
 baseline: output tokens/s {ratio(tp(eng), tp(base))} (target ≥ 1.2×: {verdict(tp(eng) >= 1.2 * tp(base))}); idle TTFT median \
 {ratio(eng['idle']['ttft']['median'], base['idle']['ttft']['median'])} the baseline's (target ≤ 1×: \
 {verdict(eng['idle']['ttft']['median'] <= base['idle']['ttft']['median'])}); busy TTFT median \
@@ -519,7 +521,7 @@ in-process Engine loads (torchrun, the same ranks and threads, kept running); th
 through the server, then a sequence in-process, each idle while the other decodes. Medians over the pairs; \
 pairing gives both the same machine, whose speed drifts by 20 % within minutes here.
 
-| model | TP | TorchServe tokens/s, as configured (here: 4 steps per iteration or more in 100 ms, in turn) | in-process Engine tokens/s, alternating with it | ratio | TorchServe, overlapped, 1 step per iteration | in-process, alternating with it | ratio, overlapped |
+| model | TP | TorchServe tokens/s, as configured (here: {IN_TURN}, in turn) | in-process Engine tokens/s, alternating with it | ratio | TorchServe, overlapped, 1 step per iteration | in-process, alternating with it | ratio, overlapped |
 |---|---|---|---|---|---|---|---|
 {rows}
 

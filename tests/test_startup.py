@@ -383,8 +383,8 @@ def test_a_config_without_handler_keys_gets_the_defaults(tmp_path, monkeypatch):
     assert h.engine.scheduler.max_batched_tokens == 64  # max_batched_tokens auto on CPU
     # overlap auto: on this CPU only if a core is left over from torch's threads
     assert h.overlap == (len(os.sched_getaffinity(0)) > torch.get_num_threads())
-    # steps_per_iteration auto: one overlapped, else 4 to 16 (those that fit in 100 ms)
-    assert h.steps_per_iteration == ((1, 1, 0.0) if h.overlap else (4, 16, 0.1))
+    # steps_per_iteration auto: one overlapped, else 4 to 16 (those that fit in 200 ms)
+    assert h.steps_per_iteration == ((1, 1, 0.0) if h.overlap else (4, 16, 0.2))
 
 
 @pytest.mark.parametrize("setting, value, message", [
