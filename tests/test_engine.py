@@ -175,10 +175,12 @@ def test_steps_overlap_the_server_on_a_gpu_or_with_a_core_left_over():
     assert not overlap_by_default(False, cores=16, threads_in_use=16)
 
 
-def test_steps_started_on_the_engine_thread_equal_the_callers():
-    """start(run) runs on the engine's own thread, not the caller's; the tokens are those of
-    steps run in the caller's thread; a step's exception reaches wait(); a second start
-    before wait() is refused."""
+@pytest.mark.parametrize("threaded", [True, False])
+def test_steps_started_equal_the_callers(threaded):
+    """start(run) runs on the engine's own thread, not the caller's, or with threaded=False
+    (a server whose steps run in turn with its own work) at once on the caller's, before
+    start() returns; the tokens are those of steps run in the caller's thread; wait() gives
+    the result, or raises a step's exception, once; a second start before wait() is refused."""
     import threading
 
     llama = demo()
@@ -188,53 +190,22 @@ def test_steps_started_on_the_engine_thread_equal_the_callers():
     expected = inline.add(prompt, params)
     while inline.running:
         inline.step()
-    engine = Engine(llama.model, tok)
-    seq = engine.add(prompt, params)
-    threads = set()
-    while engine.running:
-        engine.start(lambda: threads.add(threading.current_thread()) or engine.run(3))
-        with pytest.raises(AssertionError, match="wait"):
-            engine.start(engine.run, 1)
-        assert engine.wait() >= 1
-    assert seq.tokens == expected.tokens and threading.current_thread() not in threads and len(threads) == 1
-    assert engine.wait() is None  # nothing started
-
-    engine.add(prompt, params)
-    engine.start(engine.step)
-    engine.wait()
-    llama.model.forward_batch = lambda batch: 1 / 0
-    engine.start(engine.step)
-    with pytest.raises(ZeroDivisionError):
-        engine.wait()
-
-
-def test_an_engine_without_a_thread_runs_start_at_once_on_the_callers():
-    """threaded=False (a server whose steps run in turn with its own work): start() has run
-    the function on the caller's thread when it returns; wait() gives its result, or raises
-    its exception, once."""
-    import threading
-
-    llama = demo()
-    tok, params = llama.tokenizer, SamplingParams(max_gen_len=8, temperature=0)
-    prompt = tok.encode("Once upon a time", bos=True, eos=False)
-    reference = Engine(llama.model, tok)
-    expected = reference.add(prompt, params)
-    while reference.running:
-        reference.step()
-    engine = Engine(llama.model, tok, threaded=False)
+    engine = Engine(llama.model, tok, threaded=threaded)
     seq, threads, runs = engine.add(prompt, params), set(), []
     while engine.running:
         before = len(runs)
         engine.start(lambda: threads.add(threading.current_thread()) or runs.append(engine.run(3)) or runs[-1])
-        assert len(runs) == before + 1  # ran before start() returned
+        assert threaded or len(runs) == before + 1  # without a thread, done already
         with pytest.raises(AssertionError, match="wait"):
             engine.start(engine.run, 1)
         assert engine.wait() == runs[-1] >= 1
-    assert seq.tokens == expected.tokens and threads == {threading.current_thread()}
-    assert engine.wait() is None
+    here = threading.current_thread() in threads
+    assert seq.tokens == expected.tokens and len(threads) == 1 and here != threaded
+    assert engine.wait() is None  # nothing started
+
     engine.add(prompt, params)
     llama.model.forward_batch = lambda batch: 1 / 0
-    engine.start(engine.step)  # the exception waits for wait()
+    engine.start(engine.step)
     with pytest.raises(ZeroDivisionError):
         engine.wait()
     assert engine.wait() is None
