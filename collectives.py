@@ -36,7 +36,7 @@ SPINS = 100  # polls before a waiting rank yields its core to whoever else needs
 YIELD_S, NAP_S = 0.002, 0.0001  # after 2 ms of waiting, sleep 0.1 ms between polls
 LIVENESS_S = 0.5  # how often a waiting rank checks that the others are still alive
 MESSAGE_BYTES = 4096  # what broadcast_bytes sends in one go
-IDLE_FOREVER = timedelta(days=3650)  # how long a rank may wait for rank 0's next batch
+NO_TIMEOUT = timedelta(days=3650)  # the leader group's: TorchServe's responseTimeout catches a hang
 SEGMENTS = "/dev/shm"  # where the segment's file is made: memory, not disk
 
 logger = logging.getLogger(__name__)
@@ -228,10 +228,10 @@ def gather_in_segment(x: torch.Tensor) -> torch.Tensor:
 
 def leader_group():
     """A gloo group of every rank for rank 0's messages, on CPU and apart from the model's
-    collectives, whose waits never time out: a rank whose copy of a batch came without
-    rank 0's (one that rank 0 answered without reading it) waits there for the next,
-    however long the server idles. A collective call: every rank makes it."""
-    return dist.new_group(backend="gloo", timeout=IDLE_FOREVER)
+    collectives, whose waits never time out: each rank waits there only until every rank
+    has its copy of the batch from TorchServe, and a worker that hangs is TorchServe's to
+    restart (responseTimeout in model-config.yaml). A collective call: every rank makes it."""
+    return dist.new_group(backend="gloo", timeout=NO_TIMEOUT)
 
 
 def broadcast_bytes(payload: bytes | None, group) -> bytes:
