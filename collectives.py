@@ -57,29 +57,26 @@ class SharedMemoryChannel:
         # a cache line per rank: its published count, then (begun, ended, signature) per buffer
         header = 64 * self.world_size
         size = header + 2 * self.world_size * slot_bytes
-        path = [make_segment(size) if self.rank == 0 else None]
-        dist.broadcast_object_list(path, src=0)
-        if path[0] is None:  # on every rank alike
+        path = broadcast_bytes((make_segment(size) or "").encode() if self.rank == 0 else None).decode()
+        if not path:  # on every rank alike
             raise OSError(f"cannot make a shared-memory segment of {size} bytes in {SEGMENTS}")
         try:
-            with open(path[0], "r+b") as f:
+            with open(path, "r+b") as f:
                 self.segment = mmap.mmap(f.fileno(), size)
         except OSError:
             self.segment = None
-        opened = [None] * self.world_size
-        dist.all_gather_object(opened, self.segment is not None)
+        opened = all_gather_bytes(b"1" if self.segment is not None else b"")
         if self.rank == 0:
-            os.unlink(path[0])  # gone from /dev/shm; the mappings stay until the ranks exit
+            os.unlink(path)  # gone from /dev/shm; the mappings stay until the ranks exit
         if not all(opened):  # on every rank alike
-            raise OSError(f"ranks {[r for r, ok in enumerate(opened) if not ok]} cannot open {path[0]}")
+            raise OSError(f"ranks {[r for r, ok in enumerate(opened) if not ok]} cannot open {path}")
         self.words = memoryview(self.segment)[:header].cast("q")  # plain reads and writes, no numpy calls
         self.lines = range(0, 8 * self.world_size, 8)  # where each rank's line starts in words
         self.slots = torch.frombuffer(self.segment, dtype=torch.uint8, offset=header,
                                       count=2 * self.world_size * slot_bytes).view(2, self.world_size, slot_bytes)
         self.count = 0
-        pids = [None] * self.world_size
-        dist.all_gather_object(pids, os.getpid())
-        self.peers = {r: pid for r, pid in enumerate(pids) if r != self.rank}
+        pids = all_gather_bytes(str(os.getpid()).encode())
+        self.peers = {r: int(pid) for r, pid in enumerate(pids) if r != self.rank}
         self.fence = threading.Lock()
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -156,8 +153,7 @@ def setup():
     if not (dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo"):
         return
     wanted = requested()
-    hosts = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, platform.node())
+    hosts = all_gather_bytes(platform.node().encode())
     if wanted == "shm" and len(set(hosts)) == 1 and platform.machine() in ("x86_64", "AMD64"):
         try:
             _channel = SharedMemoryChannel()
@@ -234,20 +230,34 @@ def leader_group():
     return dist.new_group(backend="gloo", timeout=NO_TIMEOUT)
 
 
-def broadcast_bytes(payload: bytes | None, group) -> bytes:
+def broadcast_bytes(payload: bytes | None, group=None) -> bytes:
     """Rank 0's payload on every rank of group (the others pass None). One broadcast of
     MESSAGE_BYTES carries its length and a payload that fits (most batches: 0.3 ms between
-    two CPU ranks, half of what a second one costs); a longer one sends its rest after."""
-    head = torch.empty(MESSAGE_BYTES, dtype=torch.uint8)
+    two CPU ranks, half of what a second one costs); a longer one sends its rest after.
+    The tensors view bytearrays, so the bytes need no numpy (not a runtime requirement)."""
+    head_bytes = bytearray(MESSAGE_BYTES)
     if payload is not None:
-        head[:8].view(torch.int64)[0] = len(payload)
+        head_bytes[:8] = len(payload).to_bytes(8, "little")
         first = payload[:MESSAGE_BYTES - 8]
-        head[8:8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
-    dist.broadcast(head, src=0, group=group)
-    size = int(head[:8].view(torch.int64)[0])
+        head_bytes[8:8 + len(first)] = first
+    dist.broadcast(torch.frombuffer(head_bytes, dtype=torch.uint8), src=0, group=group)
+    size = int.from_bytes(head_bytes[:8], "little")
     if size <= MESSAGE_BYTES - 8:
-        return head[8:8 + size].numpy().tobytes()
-    rest = (torch.frombuffer(bytearray(payload[MESSAGE_BYTES - 8:]), dtype=torch.uint8) if payload is not None
-            else torch.empty(size - (MESSAGE_BYTES - 8), dtype=torch.uint8))
-    dist.broadcast(rest, src=0, group=group)
-    return head[8:].numpy().tobytes() + rest.numpy().tobytes()
+        return bytes(head_bytes[8:8 + size])
+    rest = bytearray(payload[MESSAGE_BYTES - 8:]) if payload is not None else bytearray(size - (MESSAGE_BYTES - 8))
+    dist.broadcast(torch.frombuffer(rest, dtype=torch.uint8), src=0, group=group)
+    return bytes(head_bytes[8:]) + bytes(rest)
+
+
+def all_gather_bytes(payload: bytes, group=None) -> list[bytes]:
+    """Every rank's payload in rank order (a collective call). torch's object collectives
+    would need numpy, which is not a runtime requirement."""
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(payload)]), group=group)
+    longest = max(1, *(int(size) for size in sizes))  # torch.frombuffer takes no empty buffer
+    buffers = [bytearray(longest) for _ in range(world)]
+    mine = bytearray(payload.ljust(longest, b"\0"))
+    dist.all_gather([torch.frombuffer(b, dtype=torch.uint8) for b in buffers], torch.frombuffer(mine, dtype=torch.uint8),
+                    group=group)
+    return [bytes(b[:int(size)]) for b, size in zip(buffers, sizes)]

@@ -43,11 +43,13 @@ SERVER_MAX_SEQ_LEN = 512
 
 
 def start_demo_server(workdir, env: dict | None = None, **handler):
-    """A TorchServe (TP=2 on CPU) serving DEMO with the tests' slots and context; handler:
+    """A TorchServe (TP=2 on CPU) serving DEMO with the tests' slots and context, its
+    frontend and workers with the runtime requirements alone (tests/runtime.py); handler:
     more settings for model-config.yaml's handler section; env: more environment variables."""
     from local_server import start_server
+    from runtime import environment
 
-    return start_server(workdir, DEMO, tp=2, env=env, batch_size=SERVER_SLOTS,
+    return start_server(workdir, DEMO, tp=2, env=environment(workdir, env or {}), batch_size=SERVER_SLOTS,
                         handler={"max_seq_len": SERVER_MAX_SEQ_LEN} | handler)
 
 

@@ -2,7 +2,7 @@
 may send a rank other than 0 the next batch instead of the current one, or none
 (handler.py's docstring). tests/handler_worker.py serves a few requests arriving over
 several iterations as TorchServe's backend would, giving rank 1 other batches, in turn
-and with overlapped steps."""
+and with overlapped steps, in a Python with the runtime requirements alone."""
 
 import json
 
@@ -15,7 +15,8 @@ from torchrun import run
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_ranks_follow_rank_0s_batches(tmp_path, demo_llama, overlap):
-    ranks = run("handler_worker.py", 2, tmp_path, "true" if overlap else "false", DEMO, timeout=240)
+    ranks = run("handler_worker.py", 2, tmp_path, "true" if overlap else "false", DEMO, timeout=240,
+                runtime_only=True)
     answers = ranks[0]["answers"]
     bodies = {rid: body for _, rid, _, body in REQUESTS}
 

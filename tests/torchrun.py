@@ -5,15 +5,19 @@ import subprocess
 import sys
 
 import torch
+from runtime import environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(script: str, nproc: int, out_dir, *args, timeout: int = 300) -> list:
+def run(script: str, nproc: int, out_dir, *args, timeout: int = 300, runtime_only: bool = False) -> list:
     """Run tests/<script> on nproc ranks (--standalone picks a free rendezvous port).
     The script gets out_dir and args, and saves rank r's result to out_dir/rank{r}.pt;
-    returns those results in rank order."""
+    returns those results in rank order. runtime_only: with the runtime requirements
+    alone (tests/runtime.py)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    if runtime_only:
+        env = environment(out_dir, env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            os.path.join(ROOT, "tests", script), str(out_dir), *map(str, args)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -229,7 +229,9 @@ EXAMPLES = [
 ]
 
 
-def show_examples(url: str, key: str):
+def show_examples(url: str, key: str) -> bool:
+    """Whether every example answered HTTP 200."""
+    answered = True
     print(f"\nTorchServe serves the model as 'llama' at {url}. The inference key is in key_file.json:")
     print(f"  KEY=$(python3 -c \"import json; print(json.load(open('key_file.json'))['inference']['key'])\")")
     for kind, body in EXAMPLES:
@@ -237,7 +239,9 @@ def show_examples(url: str, key: str):
               f"-H 'Content-Type: application/json' -d '{json.dumps(body)}'")
         status, text = post(f"{url}/predictions/llama", body, key)
         print(f"  -> {status} {text}")
+        answered &= status == 200
     print("\nStop it with: make stop")
+    return answered
 
 
 def main():
@@ -259,8 +263,8 @@ def main():
         sys.exit(str(e))
     display.end()
     print(f"the model answers, {time.monotonic() - start:.0f} s after TorchServe started")
-    if a.examples:
-        show_examples(a.url, key)
+    if a.examples and not show_examples(a.url, key):
+        sys.exit("an example did not answer HTTP 200")
 
 
 if __name__ == "__main__":

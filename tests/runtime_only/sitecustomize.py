@@ -1,0 +1,29 @@
+"""Imported at start-up by every Python whose PYTHONPATH has this folder (tests/runtime.py
+puts it there): it makes the Python one with the runtime requirements alone, however many
+test packages the venv holds. The path finder no longer finds a top-level module of
+site-packages unless the JSON file that $LLAMA_RUNTIME_MODULES names lists it, as if it
+were not installed; the standard library and this repository's modules stay."""
+
+import json
+import os
+import sys
+from importlib.machinery import PathFinder
+
+
+class RuntimeOnly:
+    def __init__(self, allowed: set[str]):
+        self.allowed = allowed
+
+    def find_spec(self, name, path=None, target=None):
+        if path is None and name not in self.allowed:  # a top-level module: where is it?
+            path = [p for p in sys.path if "site-packages" not in p]
+        return PathFinder.find_spec(name, path, target)
+
+    def invalidate_caches(self):
+        PathFinder.invalidate_caches()
+
+
+if os.environ.get("LLAMA_RUNTIME_MODULES"):
+    with open(os.environ["LLAMA_RUNTIME_MODULES"]) as f:
+        runtime_only = RuntimeOnly(set(json.load(f)))
+    sys.meta_path = [runtime_only if finder is PathFinder else finder for finder in sys.meta_path]
