@@ -16,14 +16,17 @@ writes each rank's copy from a thread of its own that reads the batch only when 
 without waiting for the others. So rank 0 leads: each iteration begins with rank 0 sending
 the batch it got to the other ranks (collectives.broadcast_bytes), which use it instead of
 their own copy. Rank 0 cannot answer before every rank has received that, so each rank's
-copy is the same batch, and every rank does the same work in the same order.
+copy is the same batch, and every rank does the same work in the same order. Rank 0 also
+reads each new request, renders and tokenizes it, and sends its token ids and settings
+(or only that it was answered at once): what a chat template prints (a date) and how
+special-token text is hidden are decided once, and the other ranks tokenize nothing.
 """
 
-import base64
 import hashlib
 import json
 import logging
 import os
+import pickle
 import time
 
 import torch
@@ -63,9 +66,14 @@ SETTINGS = {"checkpoint": "weights", "max_seq_len": 512, "dtype": "auto", "compi
             "max_batched_tokens": "auto", "overlap": "auto", "steps_per_iteration": "auto", "prefix_caching": True, "quantization": "none"}
 # Tests only: with LLAMA_TEST_FAULTS=1 in the workers' environment, a request whose prompt holds
 # FAULT.format(where) raises there, so that a test can show what a bug costs: in preprocess,
-# or in a decode step once it has FAULT_AFTER tokens (time for the test to queue others).
+# in formatting its answer ("answer"), or in a decode step once it has FAULT_AFTER tokens
+# (time for the test to queue others).
 FAULT = "[test fault: {}]"
 FAULT_AFTER = 32
+
+
+class InjectedFault(BaseException):
+    """Not an Exception, as a tokenizer's Rust panic (pyo3's PanicException) is not."""
 
 
 class LlamaHandler(BaseHandler):
@@ -195,56 +203,73 @@ class LlamaHandler(BaseHandler):
     # one that loaded the model: on a CPU, a second thread's OpenMP team measured slower).
 
     def preprocess(self, data):
-        """Rank 0's reading of TorchServe's batch, on every rank (the others' own copies
-        go unread), admitted (admit)."""
-        batch = self.read_batch(data) if self.rank0 else None
-        if self.leader is None:
-            return self.admit(batch)
-        try:
-            payload = collectives.broadcast_bytes(json.dumps(batch).encode() if self.rank0 else None, self.leader)
-        except Exception:
-            exit_for_a_restart("lost a rank")
-        return self.admit(json.loads(payload))  # the same bits on every rank
+        """Rank 0's reading of TorchServe's batch (read_batch), on every rank (the others'
+        own copies go unread), admitted (admit)."""
+        immediate = {}
+        batch = self.read_batch(data, immediate) if self.rank0 else None
+        if self.leader is not None:
+            try:  # pickle: rank 0's own objects, to the ranks of its own worker
+                batch = pickle.loads(collectives.broadcast_bytes(pickle.dumps(batch) if self.rank0 else None,
+                                                                 self.leader))
+            except Exception:
+                exit_for_a_restart("lost a rank")
+        return self.admit(batch, immediate)
 
-    def read_batch(self, data) -> list[dict]:
-        """TorchServe's batch as every rank reads it, in batch order: each request's id, URL
-        path and protocol, and the body of each request new to the handler."""
+    def read_batch(self, data, immediate: dict) -> list[dict]:
+        """TorchServe's batch as every rank runs it, in batch order: each request's id and
+        protocol, and for a request new to the handler, what new_job made of it ("job"),
+        or "at_once" when rank 0 answered it already: its message (the answer, an error)
+        goes into immediate by batch index, on rank 0 alone."""
         batch = []
         for idx, req_id in sorted(self.context.request_ids.items()):
-            item = {"id": req_id, "path": self.context.get_request_header(idx, "url_path") or "",
-                    "http": self.is_http(idx)}
+            item = {"id": req_id, "http": self.is_http(idx)}
             if req_id not in self.jobs:
-                item["body"] = pack_body(data[idx])
+                path = self.context.get_request_header(idx, "url_path") or ""
+                message = self.read_request(req_id, path, data[idx], item)
+                if message is not None:
+                    immediate[idx], item["at_once"] = message, True
             batch.append(item)
         return batch
 
-    def admit(self, batch: list[dict]):
+    def read_request(self, req_id: str, path: str, data: dict, item: dict):
+        """Fill item["job"] with what the engine needs of a new request, or return the
+        message that answers it at once. One bad request costs itself alone: whatever it
+        raises (a tokenizer's Rust panic is a BaseException) becomes its own error."""
+        route = ROUTES.get(path)
+        fmt = openai_api if path.startswith("v1") or route in AT_ONCE else api
+        try:
+            if route is None:
+                raise RequestError(f"no route /{path}; the routes are /, /v1/completions, /v1/chat/completions, "
+                                   "/v1/models, /tokenizer_info, /tokenize and /detokenize", "url", status=404)
+            raw = data.get("body") if data.get("body") is not None else data.get("data")
+            if route in AT_ONCE:
+                return json.dumps(self.answer_at_once(route, raw)), 200, JSON, "once"
+            item["job"] = self.new_job(req_id, route, raw)
+        except RequestError as e:
+            return error_message(fmt, e)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # a bug must cost one request, never the worker
+            logger.exception("cannot read request %s", req_id)
+            return error_message(fmt, RequestError(f"internal error: {type(e).__name__}: {e}", None, status=500))
+        return None
+
+    def admit(self, batch: list[dict], immediate: dict):
         """Wait for the steps the last iteration started, forget the requests no longer in
-        the batch (their client went away) and read the new ones. Returns the messages to
-        send now (errors, the model list), by batch index."""
+        the batch (their client went away) and queue the new ones' sequences. Returns the
+        messages to send now (rank 0's immediate; None on the other ranks), by batch index."""
         self.wait_for_steps()
         self.batch = batch
         for req_id in set(self.jobs) - {item["id"] for item in batch}:
             self.forget(req_id)
         self.idle = not self.engine.running
-        immediate = {}
-        for idx, item in enumerate(batch):
-            if "body" not in item:
-                continue
-            route = ROUTES.get(item["path"])
-            fmt = openai_api if item["path"].startswith("v1") or route in AT_ONCE else api
-            try:
-                if route in AT_ONCE:  # nothing to do on the other ranks
-                    immediate[idx] = (json.dumps(self.answer_at_once(route, unpack_body(item["body"]))), 200, JSON,
-                                      "once") if self.rank0 else None
-                    continue
-                self.jobs[item["id"]] = self.new_job(item, route)
-            except RequestError as e:
-                immediate[idx] = error_message(fmt, e)
-            except Exception as e:  # a bug must cost one request, never the worker
-                logger.exception("cannot read request %s", item["id"])
-                immediate[idx] = error_message(fmt, RequestError(f"internal error: {e}", None, status=500))
-        return immediate
+        for item in batch:
+            if "job" in item:
+                request, prompts, meta = item["job"]
+                job = Job(request, item["http"], prompts, meta)
+                job.seqs = [self.engine.add(tokens, params) for tokens, params in prompts]
+                self.jobs[item["id"]] = job
+        return {idx: immediate.get(idx) for idx, item in enumerate(batch) if "at_once" in item}
 
     def inference(self, immediate):
         """Each request's message, by batch index (None: nothing to send yet), after this
@@ -260,7 +285,7 @@ class LlamaHandler(BaseHandler):
                 messages[idx] = item["http"], immediate[idx]
                 continue
             job = self.jobs[item["id"]]
-            message = self.message(job)
+            message = self.guarded_message(job, item["id"])
             messages[idx] = job.http, message
             if message is not None and message[3] != "chunk":  # the request's last message
                 self.record_metrics(job)
@@ -364,11 +389,9 @@ class LlamaHandler(BaseHandler):
             return openai_api.tokenize(body, self.tokenizer, self.max_seq_len, self.limits)
         return openai_api.detokenize(body, self.tokenizer)
 
-    def new_job(self, item: dict, route: str | None) -> Job:
-        if route is None:
-            raise RequestError(f"no route /{item['path']}; the routes are /, /v1/completions, /v1/chat/completions, "
-                               "/v1/models, /tokenizer_info, /tokenize and /detokenize", "url", status=404)
-        body = api.read_body(request_body(unpack_body(item["body"])), self.limits)
+    def new_job(self, req_id: str, route: str, raw) -> tuple:
+        """(request, [(prompt tokens, sampling params)], meta): what every rank's Job needs."""
+        body = api.read_body(request_body(raw), self.limits)
         if route == "native":
             request = api.parse_native(body, self.limits, self.defaults)
         else:
@@ -380,16 +403,14 @@ class LlamaHandler(BaseHandler):
                 self.engine.check(tokens, params)
             except ValueError as e:
                 raise RequestError(str(e), "prompt") from None
-        meta = {"id": f"{'chatcmpl' if request.chat else 'cmpl'}-{item['id']}", "created": int(time.time()),
+        meta = {"id": f"{'chatcmpl' if request.chat else 'cmpl'}-{req_id}", "created": int(time.time()),
                 "model": self.model_name}
-        job = Job(request, item["http"], prompts, meta)
-        job.seqs = [self.engine.add(tokens, params) for tokens, params in prompts]
-        return job
+        return request, prompts, meta
 
     def inject_fault(self, where: str, inputs: list):
         """Tests only: raise when a prompt in inputs asks for a fault here (see FAULT)."""
         if self.test_faults and FAULT.format(where) in json.dumps(inputs):
-            raise RuntimeError(f"injected fault in {where} (LLAMA_TEST_FAULTS=1)")
+            raise InjectedFault(f"injected fault in {where} (LLAMA_TEST_FAULTS=1)")
 
     def is_http(self, idx: int) -> bool:
         return any(k.lower() in ("url_path", "host") for k in self.context.get_all_request_header(idx))
@@ -409,6 +430,18 @@ class LlamaHandler(BaseHandler):
                     hashlib.sha1(repr(tokens).encode()).hexdigest(), self.engine.scheduler.digest.hexdigest(),
                     [len(t) for t in tokens])
 
+    def guarded_message(self, job: Job, req_id: str):
+        """message(job), or its error when formatting it raises: one bad answer costs its
+        own request alone, never the iteration's other requests or the worker."""
+        try:
+            return self.message(job)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            logger.exception("cannot answer request %s", req_id)
+            job.error = RequestError(f"internal error: {type(e).__name__}: {e}", None, status=500)
+            return self.message(job)
+
     def message(self, job: Job):
         """(body, status, content type, kind) for this iteration, or None; kind is "once"
         (the whole answer), "chunk" (more to come) or "last"."""
@@ -425,6 +458,7 @@ class LlamaHandler(BaseHandler):
         if not req.stream:
             if not done:
                 return None
+            self.inject_fault("answer", req.inputs)
             return json.dumps(fmt.answer(req, job.seqs, self.tokenizer, job.meta)), 200, JSON, "once"
         if not job.http and not done:
             # TorchServe 0.12 drops a gRPC stream after its first message (GRPCJob.isOpen()
@@ -474,19 +508,6 @@ def exit_for_a_restart(why: str):
     flight ("Worker died.") and starts a new one (exit_if_the_ranks_are_broken)."""
     logger.critical("%s; exiting so that TorchServe restarts the worker", why, exc_info=True)
     os._exit(1)
-
-
-def pack_body(data: dict) -> dict:
-    """A request's body as TorchServe hands it over (bytes, a str or a JSON value it decoded),
-    in JSON for the other ranks; unpack_body gives it back."""
-    raw = data.get("body") if data.get("body") is not None else data.get("data")
-    if isinstance(raw, (bytes, bytearray)):
-        return {"bytes": base64.b64encode(raw).decode("ascii")}
-    return {"value": raw}
-
-
-def unpack_body(packed: dict):
-    return base64.b64decode(packed["bytes"]) if "bytes" in packed else packed["value"]
 
 
 def request_body(raw):

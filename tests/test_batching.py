@@ -137,10 +137,24 @@ def test_a_failure_in_preprocess_costs_that_request_only(server, demo_llama):
     with ThreadPoolExecutor(2) as pool:
         bad_r, good_r = pool.map(server.post, [bad, good])
     assert bad_r.status_code == 500, bad_r.text
-    assert "internal error: injected fault in preprocess" in bad_r.json()["message"]
+    assert "internal error: InjectedFault: injected fault in preprocess" in bad_r.json()["message"]
     assert good_r.json() == demo_llama.text_completion([good["prompt"]], 8, temperature=0)[0]
     rest = "".join(json.loads(line).get("text", "") for line in lines if line)
     assert first + rest == demo_llama.text_completion([LONG["prompt"]], 40, temperature=0)[0]["generation"]
+    assert slots_in_use(server) == 0
+    assert server.worker_pids() == server.initial_pids
+
+
+def test_a_failure_in_formatting_an_answer_costs_that_request_only(server, demo_llama):
+    """A bug while formatting one answer (injected) gives that request a 500 of its own; a
+    request finishing in the same iteration is answered as usual, on the same workers."""
+    bad = {"prompt": f"Once upon a time {FAULT.format('answer')}", "max_new_tokens": 8, "temperature": 0}
+    good = {"prompt": "Once upon a time", "max_new_tokens": 8, "temperature": 0}
+    with ThreadPoolExecutor(2) as pool:
+        bad_r, good_r = pool.map(server.post, [bad, good])
+    assert bad_r.status_code == 500, bad_r.text
+    assert "internal error: InjectedFault: injected fault in answer" in bad_r.json()["message"]
+    assert good_r.json() == demo_llama.text_completion([good["prompt"]], 8, temperature=0)[0]
     assert slots_in_use(server) == 0
     assert server.worker_pids() == server.initial_pids
 

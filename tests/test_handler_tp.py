@@ -37,3 +37,20 @@ def test_the_ranks_follow_rank_0s_batches(tmp_path, demo_llama, overlap):
     assert sorted(ranks[0]["finished"]) == sorted(ranks[1]["finished"]) == sorted(DECODED)
     assert ranks[1]["finished"] == ranks[0]["finished"]
     assert ranks[1]["digest"] == ranks[0]["digest"]
+
+
+def test_rank_0_renders_for_every_rank(tmp_path, llama3):
+    """A chat template that prints the date (Llama 3.1's "Today Date") renders what rank 0's
+    clock says on every rank: rank 1's clock is a day ahead (across midnight), and its own
+    rendering differs, yet both ranks run rank 0's token ids and decode the same tokens."""
+    folder = llama3["scaled16"][1]["hf"]
+    ranks = run("handler_worker.py", 2, tmp_path, "false", folder, "dated", timeout=240, runtime_only=True)
+    assert ranks[0]["own_render"] != ranks[1]["own_render"]  # the clocks render differently
+    for rid in ("chat", "openai-chat"):
+        [(prompt, tokens)] = ranks[0]["finished"][rid]
+        assert prompt == ranks[0]["own_render"] and tokens
+    assert ranks[1]["finished"] == ranks[0]["finished"]
+    assert ranks[1]["digest"] == ranks[0]["digest"]
+    answers = ranks[0]["answers"]
+    native = json.loads(answers["chat"][0])["generation"]["content"]
+    assert native == json.loads(answers["openai-chat"][0])["choices"][0]["message"]["content"]
