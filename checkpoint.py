@@ -5,6 +5,7 @@ so a rank touches only the slices it keeps; nothing is unpickled beyond plain te
 import dataclasses
 import glob
 import json
+import math
 import os
 import re
 import struct
@@ -301,9 +302,7 @@ def safetensors_paths(folder: str) -> list[str]:
     """The files that model.safetensors.index.json lists, all there, or every *.safetensors."""
     index_path = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
-        paths = [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
+        paths = [os.path.join(folder, name) for name in index_file_names(index_path)]
         for path in paths:
             if not os.path.isfile(path):
                 raise CheckpointError(f"missing shard {path} (listed in {index_path})")
@@ -312,6 +311,19 @@ def safetensors_paths(folder: str) -> list[str]:
     if not paths:
         raise CheckpointError(f"no *.safetensors files in {folder}")
     return paths
+
+
+def index_file_names(index_path: str) -> list[str]:
+    """The file names that the index's weight_map lists, each a plain name in the index's
+    folder: an entry with a path could make the server read any file. The name is checked,
+    not where it leads: Hugging Face's cache links snapshots/<rev>/ files into ../../blobs/."""
+    with open(index_path) as f:
+        weight_map = json.load(f)["weight_map"]
+    for tensor, name in weight_map.items():
+        if not (isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name):
+            raise CheckpointError(f"{index_path}: the file of tensor {tensor}, {name!r}, is not a file name "
+                                  f"in the checkpoint folder (paths are refused)")
+    return sorted(set(weight_map.values()))
 
 
 class HFCheckpoint(Checkpoint):
@@ -348,25 +360,50 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.
 
 def safetensors_header(path: str) -> tuple[dict, int]:
     """(tensor entries, where the data starts) of a .safetensors file, after checking that
-    the file is long enough for the data its header places."""
+    every tensor's bytes lie within the file and fit its dtype and shape: the tensors are
+    views into a memory map, which nothing else bounds."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
             raise CheckpointError(f"{path} is not a safetensors file (too short)")
         n = struct.unpack("<Q", head)[0]
-        if n > size - 8:
-            raise CheckpointError(f"{path} is not a safetensors file (header length {n})")
+        if n > size - 8:  # before reading n bytes: any other file's first 8 bytes make a huge n
+            raise CheckpointError(f"{path} is not a safetensors file (its first 8 bytes give a header length "
+                                  f"of {n}, the file has {size} bytes)")
         try:
             header = json.loads(f.read(n))
             header.pop("__metadata__", None)
-            end = 8 + n + max((info["data_offsets"][1] for info in header.values()), default=0)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        except (ValueError, AttributeError) as e:
             raise CheckpointError(f"{path}: unreadable safetensors header: {e!r}") from e
-    if end > size:
-        raise CheckpointError(f"{path} is truncated: its header places tensor data up to byte {end}, "
-                              f"the file has {size} bytes")
+    for name, info in header.items():
+        check_tensor_bytes(path, name, info, 8 + n, size)
     return header, 8 + n
+
+
+def check_tensor_bytes(path: str, name: str, info, data_start: int, size: int):
+    """Refuse a header entry whose data_offsets (relative to data_start) leave the file or
+    disagree with the byte size of its dtype and shape (for SAFETENSORS_DTYPES, the dtypes
+    that can be read)."""
+    try:
+        begin, end = info["data_offsets"]
+        dtype, shape = info["dtype"], list(info["shape"])
+        well_formed = isinstance(dtype, str) and all(isinstance(v, int) for v in (begin, end, *shape)) \
+            and min(shape, default=0) >= 0
+    except (KeyError, TypeError, ValueError):
+        well_formed = False
+    if not well_formed:
+        raise CheckpointError(f"{path}: unreadable safetensors header entry for tensor {name}: {info}")
+    if not 0 <= begin <= end:
+        raise CheckpointError(f"{path}: tensor {name} has data offsets {[begin, end]}, not 0 <= begin <= end")
+    if data_start + end > size:
+        raise CheckpointError(f"{path} is truncated or its header corrupt: tensor {name} ends at byte "
+                              f"{data_start + end}, the file has {size} bytes")
+    if dtype in SAFETENSORS_DTYPES:
+        needed = math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize
+        if end - begin != needed:
+            raise CheckpointError(f"{path}: tensor {name} has {end - begin} bytes (data offsets {[begin, end]}), "
+                                  f"its dtype {dtype} and shape {shape} need {needed}")
 
 
 class SafetensorsFile:
@@ -382,13 +419,9 @@ class SafetensorsFile:
         dtype = SAFETENSORS_DTYPES.get(info["dtype"])
         if dtype is None:
             raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {info['dtype']}")
-        begin, end = (self.data_start + o for o in info["data_offsets"])
+        begin, end = (self.data_start + o for o in info["data_offsets"])  # checked by safetensors_header
         shape = info["shape"]
-        itemsize = dtype.itemsize
-        count = (end - begin) // itemsize
-        if count != torch.Size(shape).numel() or end > len(self.storage):
-            raise CheckpointError(f"{self.path}: tensor {name} has inconsistent offsets for shape {shape}")
-        if begin % itemsize == 0:
-            return torch.empty(0, dtype=dtype).set_(self.storage, begin // itemsize, shape)
+        if begin % dtype.itemsize == 0:
+            return torch.empty(0, dtype=dtype).set_(self.storage, begin // dtype.itemsize, shape)
         raw = torch.empty(0, dtype=torch.uint8).set_(self.storage, begin, (end - begin,))
         return raw.clone().view(dtype).view(shape)  # unaligned: copy out of the map

@@ -73,10 +73,11 @@ def on_disk(path: str, weights: str | None) -> str | None:
 def check(config: dict, weights: str | None = None) -> str:
     """What was checked, in one line; or a ValueError naming the first problem that would make
     every rank fail to load: a checkpoint folder that is missing, in neither layout, incomplete
-    or with a file cut short; a missing tokenizer or one whose vocabulary does not fit the
-    model; a TP size that does not divide the model's heads, KV heads or FFN width (or more
-    ranks than GPUs); a max_seq_len beyond the positions the model was made for. Reads the
-    checkpoint's JSON files and file headers, no weights."""
+    or with a file cut short, an index that names files by path (outside the folder), a
+    safetensors header whose tensors lie outside their file; a missing tokenizer or one whose
+    vocabulary does not fit the model; a TP size that does not divide the model's heads, KV
+    heads or FFN width (or more ranks than GPUs); a max_seq_len beyond the positions the model
+    was made for. Reads the checkpoint's JSON files and file headers, no weights."""
     handler, tp = config["handler"], int(config["torchrun"]["nproc-per-node"])
     configured = handler.get("checkpoint", "weights")  # the handler's default
     folder = on_disk(configured, weights)
