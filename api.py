@@ -18,6 +18,11 @@ class RequestError(Exception):
         self.message, self.param, self.status = message, param, status
 
 
+class InjectedFault(BaseException):
+    """The handler's test faults (handler.FAULT; a class of their own here: TorchServe wants
+    one class in handler.py). Not an Exception, as a tokenizer's Rust panic is not."""
+
+
 @dataclass
 class Limits:
     max_new_tokens: int = 512  # cap on max_new_tokens (max_tokens in the OpenAI API)
@@ -146,6 +151,9 @@ def get_number(body: dict, name: str, lo: float, hi: float, default: float, lo_o
     return float(value)
 
 
+MAX_STOP_CHARS = 512  # per stop string: the stop strings OpenAI and vLLM users send are short
+
+
 def get_stop(body: dict, name: str = "stop", max_count: int = 16) -> tuple[str, ...]:
     value = body.get(name)
     if value is None:
@@ -155,6 +163,10 @@ def get_stop(body: dict, name: str = "stop", max_count: int = 16) -> tuple[str, 
         raise RequestError(f"{name} must be a non-empty string or a list of them", name)
     if len(stops) > max_count:
         raise RequestError(f"{name} may hold at most {max_count} strings, got {len(stops)}", name)
+    long = [i for i, stop in enumerate(stops) if len(stop) > MAX_STOP_CHARS]
+    if long:
+        raise RequestError(f"{name} strings may have at most {MAX_STOP_CHARS} characters; "
+                           f"{', '.join(f'{name}[{i}] has {len(stops[i])}' for i in long)}", name)
     return tuple(stops)
 
 

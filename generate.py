@@ -204,6 +204,7 @@ class Sequence:
     text: str = ""  # the generation's text so far, cut before a stop string
     finish_reason: str | None = None
     emitted: int = 0  # characters of text already handed out by new_text()
+    stop_ends: "StopEnds | None" = None  # how much of each stop string text ends in
     # sampling state (set by Engine.add): the ids that end it, and (vocab,) tensors where
     # its settings need them: logit_bias, generated-token counts and tokens seen for penalties
     stop_ids: frozenset = frozenset()
@@ -231,6 +232,10 @@ class Sequence:
         Only the text a stop string could end in is searched, and none before min_tokens."""
         if not piece or self.finish_reason == "stop":
             return
+        if self.params.stop:
+            if self.stop_ends is None:
+                self.stop_ends = StopEnds(self.params.stop)
+            self.stop_ends.feed(piece)
         if len(self.tokens) < self.params.min_tokens:
             self.text += piece
             return
@@ -246,19 +251,51 @@ class Sequence:
         """Text produced since the last call. While running, holds back what could still
         turn out to be the start of a stop string."""
         end = len(self.text)
-        if not self.done:
-            end -= held_back(self.text, self.params.stop)
+        if not self.done and self.stop_ends is not None:
+            end -= self.stop_ends.held_back()
         piece = self.text[self.emitted:end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return piece
 
 
-def held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many characters at the end of text could be the start of a stop string."""
-    for k in range(min(max(map(len, stops), default=1) - 1, len(text)), 0, -1):
-        if any(stop.startswith(text[-k:]) for stop in stops):
-            return k
-    return 0
+class StopEnds:
+    """For each stop string, the longest of its prefixes that the text so far ends in,
+    fed the text piece by piece (Knuth-Morris-Pratt): each piece costs its length times
+    the number of stop strings, however long the text and the stop strings."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.borders = [prefix_function(stop) for stop in stops]
+        self.ends = [0] * len(stops)
+        self.longest = max(map(len, stops))
+
+    def feed(self, piece: str):
+        for i, (stop, border) in enumerate(zip(self.stops, self.borders)):
+            q = self.ends[i]
+            for c in piece:
+                if q == len(stop):  # a whole match (before min_tokens): go on from its border
+                    q = border[q - 1]
+                while q and stop[q] != c:
+                    q = border[q - 1]
+                if stop[q] == c:
+                    q += 1
+            self.ends[i] = q
+
+    def held_back(self) -> int:
+        """How many characters at the end of the text could be the start of a stop string
+        (at most the longest one's length less one)."""
+        return max(q if q < self.longest else border[q - 1] for q, border in zip(self.ends, self.borders))
+
+
+def prefix_function(s: str) -> list[int]:
+    """border[i]: the length of the longest proper prefix of s[:i + 1] that is also its suffix."""
+    border = [0] * len(s)
+    for i in range(1, len(s)):
+        q = border[i - 1]
+        while q and s[q] != s[i]:
+            q = border[q - 1]
+        border[i] = q + (s[q] == s[i])
+    return border
 
 
 def new_engine(model, tokenizer):

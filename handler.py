@@ -39,7 +39,7 @@ import chat_format
 import collectives
 import openai_api
 import quant
-from api import Defaults, Job, Limits, RequestError
+from api import Defaults, InjectedFault, Job, Limits, RequestError
 from engine import Engine, overlap_by_default
 from llama2 import tp_llama
 from scheduler import default_token_budget
@@ -70,10 +70,6 @@ SETTINGS = {"checkpoint": "weights", "max_seq_len": 512, "dtype": "auto", "compi
 # (time for the test to queue others).
 FAULT = "[test fault: {}]"
 FAULT_AFTER = 32
-
-
-class InjectedFault(BaseException):
-    """Not an Exception, as a tokenizer's Rust panic (pyo3's PanicException) is not."""
 
 
 class LlamaHandler(BaseHandler):

@@ -92,25 +92,11 @@ LONG = {"prompt": "A very long story:", "max_new_tokens": 120, "temperature": 0}
 
 def test_disconnect_mid_stream_frees_the_slot(server):
     """A stream whose client goes away gives its slot back long before it would have ended by
-    itself (its 'done' line alone would not tell: a finished request writes one too)."""
-    start = time.perf_counter()
-    assert server.generate(LONG)["usage"]["completion_tokens"] == LONG["max_new_tokens"]
-    by_itself = time.perf_counter() - start
+    itself: its 'done' line counts the tokens it generated, a few past those read (one step
+    an iteration on this server), far from its max_new_tokens."""
+    received, generated = decoded_after_leaving(server, LONG, 2)
+    assert len(received) <= generated <= len(received) + 3 < LONG["max_new_tokens"], (generated, received)
     assert slots_in_use(server) == 0
-    r = server.post(LONG | {"stream": True}, stream=True)
-    opened = time.perf_counter()
-    lines = r.iter_lines()
-    assert json.loads(next(lines))["text"] is not None
-    next(lines)
-    r.close()  # the client goes away mid-stream
-    freed = None
-    while freed is None and time.perf_counter() - opened < 2 * by_itself + 30:
-        server.generate({"prompt": "ping", "max_new_tokens": 1})  # an iteration that reports the slots
-        if slots_in_use(server) == 0:
-            freed = time.perf_counter() - opened
-    assert freed is not None and freed < by_itself / 2, (freed, by_itself)
-    request_id = r.headers["x-request-id"]
-    assert re.search(rf"done {request_id} rank=0 .*", server.log()), "the handler never let the request go"
 
 
 def test_disconnect_stops_decoding_within_a_step(server):
@@ -186,10 +172,11 @@ def test_a_failure_in_a_decode_step_costs_that_step_only(server, demo_llama):
 
 
 @pytest.mark.parametrize("n_prompts", [4])
-def test_request_with_more_prompts_waits_for_slots(server, n_prompts):
+def test_request_with_more_prompts_waits_for_slots(server, demo_llama, n_prompts):
+    """Three requests of four prompts each, at once, on four slots: the later ones wait for
+    slots and every answer is the in-process model's."""
     bodies = [{"prompt": [f"{k} {i}" for i in range(n_prompts)], "max_new_tokens": 8, "temperature": 0}
               for k in ("apple", "pear", "plum")]
     with ThreadPoolExecutor(len(bodies)) as pool:
         answers = list(pool.map(server.generate, bodies))
-    assert [len(a) for a in answers] == [n_prompts] * len(bodies)
-    assert answers == [server.generate(b) for b in bodies]
+    assert answers == [demo_llama.text_completion(b["prompt"], 8, temperature=0) for b in bodies]

@@ -382,3 +382,20 @@ def test_failed_prefill_frees_its_blocks(demo_llama, monkeypatch):
         h.wait_for_steps()
     expected = demo_llama.text_completion(["two"], 4, temperature=0)[0]
     assert good.error is None and good.seqs[0].text == expected["generation"]
+
+
+@pytest.mark.parametrize("route", ["native", "completions"])
+def test_stop_strings_are_capped(route):
+    """A stop string over api.MAX_STOP_CHARS is refused, naming each long one; at the limit it
+    is accepted. Unbounded ones made the hold-back check cost seconds per iteration."""
+    def parse(stop):
+        body = {"prompt": "a", "stop": stop}
+        return (api.parse_native(body, Limits(), DEFAULTS) if route == "native"
+                else openai_api.parse(route, body, "llama", Limits(), DEFAULTS))
+
+    limit = api.MAX_STOP_CHARS
+    assert parse(["x" * limit]).sampling["stop"] == ("x" * limit,)
+    with pytest.raises(RequestError) as e:
+        parse(["ok", "x" * (limit + 1), "y" * 70000])
+    assert e.value.param == "stop" and e.value.status == 400
+    assert f"stop[1] has {limit + 1}" in e.value.message and "stop[2] has 70000" in e.value.message

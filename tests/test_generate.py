@@ -8,6 +8,8 @@ import os
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 
@@ -592,3 +594,47 @@ def test_new_text_holds_back_unfinished_characters(mha):
     assert "".join(pieces) == seq.text == continuation(tok, prompt, ids)
     if "\ufffd" not in seq.text:
         assert not any("\ufffd" in p for p in pieces), pieces
+
+
+def naive_held_back(text: str, stops: tuple[str, ...]) -> int:
+    """The definition: the longest end of text, shorter than the longest stop string, that
+    some stop string starts with."""
+    for k in range(min(max(map(len, stops)) - 1, len(text)), 0, -1):
+        if any(stop.startswith(text[-k:]) for stop in stops):
+            return k
+    return 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text("ab", min_size=1, max_size=8), min_size=1, max_size=4),
+       st.lists(st.text("abc", max_size=6), max_size=12))
+def test_stop_ends_hold_back_what_the_definition_does(stops, pieces):
+    """StopEnds, fed piece by piece (whole stop strings among them, as before min_tokens),
+    holds back at every moment what the definition says of the whole text."""
+    ends, text = G.StopEnds(tuple(stops)), ""
+    for piece in pieces:
+        ends.feed(piece)
+        text += piece
+        assert ends.held_back() == naive_held_back(text, tuple(stops)), (text, stops)
+
+
+def test_stop_ends_cost_grows_with_the_new_text_alone():
+    """Feeding a character costs the same however long the stop strings and the text: 16
+    stop strings of 512 characters (the limit), 8,000 characters fed one at a time, in
+    steps of the automaton counted through a str subclass (no timing)."""
+    stops = tuple("a" * 511 + chr(ord("b") + i) for i in range(16))  # each a near-match of a run of a's
+    ends = G.StopEnds(stops)
+    for _ in range(8000):
+        ends.feed("a")
+    assert ends.held_back() == 511
+    compared = 0
+
+    class Counting(str):
+        def __getitem__(self, i):
+            nonlocal compared
+            compared += 1
+            return str.__getitem__(self, i)
+
+    ends.stops = tuple(Counting(s) for s in stops)
+    ends.feed("a")
+    assert compared <= 16 * 3  # a few comparisons per stop string, not hundreds

@@ -167,7 +167,8 @@ def metric(text: str, name: str, suffix: str = "") -> float:
 def test_metrics_count_tokens(server, client):
     before = requests.get(server.metrics_url, timeout=30).text
     counts = {n: metric(before, n) if f"{n}{{" in before else 0.0 for n in ("PromptTokens", "CompletionTokens")}
-    ttft_before = metric(before, "TimeToFirstToken", "_count") if "TimeToFirstToken_count" in before else 0.0
+    ttft_before, tpot_before = (metric(before, n, "_count") if f"{n}_count" in before else 0.0
+                                for n in ("TimeToFirstToken", "TimePerOutputToken"))
     results = [client.completions.create(model="llama", prompt=p, max_tokens=n, temperature=0)
                for p, n in ((PROMPT, 7), ("Once upon a time", 11), ("Hello", 3))]
     after = requests.get(server.metrics_url, timeout=30).text
@@ -175,4 +176,5 @@ def test_metrics_count_tokens(server, client):
     assert metric(after, "CompletionTokens") - counts["CompletionTokens"] == \
         sum(r.usage.completion_tokens for r in results)
     assert metric(after, "TimeToFirstToken", "_count") - ttft_before == 3
-    assert metric(after, "TimePerOutputToken", "_sum") > 0
+    assert metric(after, "TimePerOutputToken", "_count") - tpot_before == \
+        sum(r.usage.completion_tokens > 1 for r in results)  # one value per request with a second token

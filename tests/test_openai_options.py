@@ -5,6 +5,7 @@ max_tokens 0 with echo, penalties / logit_bias / min_tokens / stop_token_ids, vL
 tokenizer routes, and the TTFT/TPOT histograms' buckets."""
 
 import re
+import time
 
 import openai
 import pytest
@@ -222,15 +223,27 @@ def buckets(text: str, name: str) -> dict[str, float]:
     return {le: float(v) for le, v in re.findall(rf'^{name}_bucket{{[^}}]*le="([^"]+)"[^}}]*}} (\S+)$', text, re.M)}
 
 
-def test_latency_histograms_have_fitting_buckets(server, client):
+def histogram_totals(text: str, name: str) -> tuple[float, float]:
+    """(_count, _sum) of a histogram of the metrics text (0, 0 before its first value)."""
+    found = [float(re.search(rf'^{name}{part}{{[^}}]*}} (\S+)$', text, re.M).group(1))
+             if re.search(rf'^{name}{part}{{', text, re.M) else 0.0 for part in ("_count", "_sum")]
+    return found[0], found[1]
+
+
+def test_latency_histograms_are_in_seconds(server, client):
     """TTFT and TPOT are in seconds, so that they land in TorchServe's (Prometheus' default)
-    finite buckets, not all in +Inf."""
+    buckets of 5 ms to 10 s, not all in +Inf: three requests add three values each (every
+    one has more than one token), which sum to no more than the seconds the client waited
+    (milliseconds would be a thousand times more), and the buckets have their +Inf count."""
+    before = requests.get(server.metrics_url, timeout=30).text
+    start = time.perf_counter()
     for _ in range(3):
-        client.completions.create(model="llama", prompt=PROMPT, max_tokens=5, temperature=0)
+        done = client.completions.create(model="llama", prompt=PROMPT, max_tokens=5, temperature=0)
+        assert done.usage.completion_tokens > 1
+    waited = time.perf_counter() - start
     text = requests.get(server.metrics_url, timeout=30).text
     for name in ("TimeToFirstToken", "TimePerOutputToken"):
+        (count0, sum0), (count1, sum1) = histogram_totals(before, name), histogram_totals(text, name)
+        assert count1 - count0 == 3 and 0 < sum1 - sum0 <= waited, (name, count1 - count0, sum1 - sum0, waited)
         counts = buckets(text, name)
-        assert counts, f"no {name} buckets in the metrics"
-        finite = max(v for le, v in counts.items() if le != "+Inf")
-        assert counts["+Inf"] >= 3 and finite == counts["+Inf"], counts
-        assert min(v for le, v in counts.items()) < counts["+Inf"], "every value in the lowest bucket"
+        assert counts and counts["+Inf"] == count1, counts
