@@ -19,6 +19,7 @@ rank's slot says ended n with its own signature before it reads, and still begun
 ranks that make different collectives, or a slot written while it is read, are an error,
 never a wrong sum."""
 
+import contextlib
 import logging
 import mmap
 import os
@@ -37,7 +38,7 @@ YIELD_S, NAP_S = 0.002, 0.0001  # after 2 ms of waiting, sleep 0.1 ms between po
 LIVENESS_S = 0.5  # how often a waiting rank checks that the others are still alive
 MESSAGE_BYTES = 4096  # what broadcast_bytes sends in one go
 NO_TIMEOUT = timedelta(days=3650)  # the leader group's: TorchServe's responseTimeout catches a hang
-SEGMENTS = "/dev/shm"  # where the segment's file is made: memory, not disk
+SEGMENTS = "/dev/shm"  # where the segment's file is made: memory, not disk (tests set their own)
 
 logger = logging.getLogger(__name__)
 
@@ -57,17 +58,17 @@ class SharedMemoryChannel:
         # a cache line per rank: its published count, then (begun, ended, signature) per buffer
         header = 64 * self.world_size
         size = header + 2 * self.world_size * slot_bytes
-        path = broadcast_bytes((make_segment(size) or "").encode() if self.rank == 0 else None).decode()
-        if not path:  # on every rank alike
-            raise OSError(f"cannot make a shared-memory segment of {size} bytes in {SEGMENTS}")
-        try:
-            with open(path, "r+b") as f:
-                self.segment = mmap.mmap(f.fileno(), size)
-        except OSError:
-            self.segment = None
-        opened = all_gather_bytes(b"1" if self.segment is not None else b"")
-        if self.rank == 0:
-            os.unlink(path)  # gone from /dev/shm; the mappings stay until the ranks exit
+        with new_segment(size) if self.rank == 0 else contextlib.nullcontext() as path:
+            path = broadcast_bytes(path.encode() if self.rank == 0 else None).decode()
+            if not path:  # on every rank alike
+                raise OSError(f"cannot make a shared-memory segment of {size} bytes in {SEGMENTS}")
+            try:
+                with open(path, "r+b") as f:
+                    self.segment = mmap.mmap(f.fileno(), size)
+            except OSError:
+                self.segment = None
+            opened = all_gather_bytes(b"1" if self.segment is not None else b"")
+        # the file is gone now; the mappings stay until the ranks exit
         if not all(opened):  # on every rank alike
             raise OSError(f"ranks {[r for r, ok in enumerate(opened) if not ok]} cannot open {path}")
         self.words = memoryview(self.segment)[:header].cast("q")  # plain reads and writes, no numpy calls
@@ -128,13 +129,17 @@ class SharedMemoryChannel:
     def check_peers(self):
         """Raise if a rank that this one waits for has died (gloo would see its socket close)."""
         for rank, pid in self.peers.items():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    state = f.read().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                state = "gone"
-            if state in ("Z", "X", "gone"):
+            if not alive(pid):
                 raise RuntimeError(f"tensor-parallel rank {rank} (pid {pid}) is gone")
+
+
+def alive(pid: int) -> bool:
+    """Whether process pid runs (a zombie has exited: only its parent has yet to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
 
 
 def requested() -> str:
@@ -161,11 +166,48 @@ def setup():
             logger.warning("%s; the collectives go through gloo", e)
 
 
+@contextlib.contextmanager
+def new_segment(size: int):
+    """Rank 0's new segment file for the block ("" if there is no room), removed when the
+    block ends, however it ends (a rank that raises in set-up, or dies: then rank 0's next
+    collective raises). First the files that crashed set-ups left go."""
+    remove_stale_segments()
+    path = make_segment(size) or ""
+    try:
+        yield path
+    finally:
+        if path:  # removed by another hand: raising on rank 0 alone, after the ranks agreed on
+            with contextlib.suppress(FileNotFoundError):  # the segment, would send it alone to gloo
+                os.unlink(path)
+
+
+def segment_prefix() -> str:
+    """The start of this pid namespace's segment names, llama-tp-<namespace>-<maker's pid>-:
+    a pid is judged only by the /proc that shows it (a container that shares /dev/shm has
+    its own pids)."""
+    return f"llama-tp-{os.stat('/proc/self/ns/pid').st_ino}-"
+
+
+def remove_stale_segments():
+    """Remove the segment files whose makers are gone: a rank 0 killed in set-up leaves its
+    file (4-8 MB of memory) behind. A living maker's file is in a set-up (another server's):
+    it stays."""
+    try:  # raising here, before the broadcast of the path, would leave the other ranks waiting
+        names, prefix = os.listdir(SEGMENTS), segment_prefix()
+    except OSError:  # no folder (make_segment finds no room), or no /proc to judge pids by
+        return
+    for name in names:
+        pid = name[len(prefix):].split("-")[0]
+        if name.startswith(prefix) and pid.isdigit() and not alive(int(pid)):
+            with contextlib.suppress(OSError):  # another user's (/dev/shm is sticky), or just removed
+                os.unlink(os.path.join(SEGMENTS, name))
+
+
 def make_segment(size: int) -> str | None:
     """A new file of size bytes in SEGMENTS, its memory reserved (a full /dev/shm would
     otherwise fail later, at a write, with SIGBUS); None if there is no room."""
-    path = os.path.join(SEGMENTS, f"llama-tp-{uuid.uuid4().hex}")
     try:  # a new file (never another's, nor a link), readable by this user only
+        path = os.path.join(SEGMENTS, f"{segment_prefix()}{os.getpid()}-{uuid.uuid4().hex}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:
         return None

@@ -1,6 +1,8 @@
 """A rank for test_collectives.py, started by torchrun (tests/torchrun.py):
 
-    collectives_worker.py OUT_DIR ops|no-room|peer-dies|out-of-step
+    collectives_worker.py OUT_DIR ops|no-room|peer-dies|out-of-step|setup|setup-raises [RANK]
+
+The segment's file is made in OUT_DIR/segments, apart from other runs' in /dev/shm.
 
 ops: a run of all-reduces, all-gathers and broadcasts of varied shapes and dtypes, some
 larger than a shared-memory slot (gloo then), the ranks reaching them at different
@@ -8,8 +10,11 @@ moments; each result next to gloo's for the same input. Saves whether the segmen
 use and the results to OUT_DIR/rank{r}.pt. no-room: the same where the segment cannot be made.
 peer-dies: rank 1 exits; rank 0's next all-reduce must raise, naming rank 1, rather than
 wait for ever. Rank 0 saves the error and how long it took. out-of-step: the ranks
-all-reduce tensors of different sizes; each saves the error it gets."""
+all-reduce tensors of different sizes; each saves the error it gets. setup: only the
+set-up. setup-raises RANK: mapping the segment raises on rank RANK, an error that set-up
+does not expect (it names the file); each rank saves the error its set-up ends with."""
 
+import mmap
 import os
 import random
 import sys
@@ -62,10 +67,31 @@ def run_ops(rank: int) -> list:
     return results
 
 
+def cannot_map(fileno: int, size: int):
+    raise RuntimeError(f"injected: cannot map {os.readlink(f'/proc/self/fd/{fileno}')}")
+
+
+def set_up_raises(out_dir: str, failing: int):
+    rank = int(os.environ["RANK"])
+    if rank == failing:
+        mmap.mmap = cannot_map
+    try:
+        llama2.init_distributed(int(os.environ["WORLD_SIZE"]))
+        error = None
+    except RuntimeError as e:  # on the other rank, gloo's: its peer left
+        error = str(e)
+    torch.save({"error": error}, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)  # as a rank whose set-up failed: gone, its group never destroyed
+
+
 def main():
     out_dir, mode = sys.argv[1], sys.argv[2]
+    collectives.SEGMENTS = os.path.join(out_dir, "segments")
+    os.makedirs(collectives.SEGMENTS, exist_ok=True)
     if mode == "no-room":  # no place for the segment: gloo
         collectives.SEGMENTS, mode = os.path.join(out_dir, "missing"), "ops"
+    if mode == "setup-raises":
+        set_up_raises(out_dir, int(sys.argv[3]))
     llama2.init_distributed(int(os.environ["WORLD_SIZE"]))
     rank = dist.get_rank()
     out = {"segment": collectives._channel is not None}
@@ -77,7 +103,7 @@ def main():
             out["error"] = None
         except collectives.OutOfStep as e:
             out["error"] = str(e)
-    else:
+    elif mode == "peer-dies":
         x = torch.ones(8, 64)
         collectives.all_reduce(x)  # both ranks are here
         if rank == 1:
@@ -91,7 +117,7 @@ def main():
             out["error"] = str(e)
         out["seconds"] = time.monotonic() - begin
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    if mode == "ops":
+    if mode in ("ops", "setup"):
         dist.destroy_process_group()
 
 

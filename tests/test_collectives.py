@@ -3,11 +3,17 @@ tensor-parallel collectives give what gloo gives for the same inputs (the same b
 order; within rounding at TP=4), every rank gets the same bits, tensors larger than a
 slot go through gloo, a rank that dies makes the others raise instead of waiting for
 ever, and ranks whose collectives disagree raise instead of summing. With
-LLAMA_CPU_COLLECTIVES=gloo, or without room for the segment, gloo."""
+LLAMA_CPU_COLLECTIVES=gloo, or without room for the segment, gloo on every rank, with the
+segment's results. The segment's file is gone after set-up, also when a rank raises in
+it, and a set-up removes the files that dead makers left, never a living one's."""
+
+import os
+import subprocess
 
 import pytest
 import torch
 
+import collectives
 from collectives_worker import inputs
 from torchrun import run
 
@@ -18,10 +24,21 @@ def shm(monkeypatch):
     monkeypatch.delenv("LLAMA_CPU_COLLECTIVES", raising=False)
 
 
+@pytest.fixture(scope="module")
+def through_segment(tmp_path_factory):
+    """ops' results on two ranks through the shared-memory segment (the default)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("LLAMA_CPU_COLLECTIVES", raising=False)
+        results = run("collectives_worker.py", 2, tmp_path_factory.mktemp("segment"), "ops")
+    assert all(r["segment"] for r in results), "the shared-memory segment is not in use"
+    return results
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_collectives_equal_gloo_on_every_rank(tmp_path, world_size, shm):
     results = run("collectives_worker.py", world_size, tmp_path, "ops")
     assert all(r["segment"] for r in results), "the shared-memory segment is not in use"
+    assert not os.listdir(tmp_path / "segments"), "the segment's file outlived the set-up"
     sent = [inputs(rank) for rank in range(world_size)]
     for i, (op, mine, theirs) in enumerate(results[0]["results"]):
         assert mine.dtype == theirs.dtype and mine.shape == theirs.shape, (i, op)
@@ -36,13 +53,16 @@ def test_collectives_equal_gloo_on_every_rank(tmp_path, world_size, shm):
 
 
 @pytest.mark.parametrize("why", ["asked", "no room"])
-def test_gloo_when_asked_or_without_room(tmp_path, monkeypatch, why):
+def test_gloo_when_asked_or_without_room(tmp_path, monkeypatch, why, through_segment):
     monkeypatch.delenv("LLAMA_CPU_COLLECTIVES", raising=False)
     if why == "asked":
         monkeypatch.setenv("LLAMA_CPU_COLLECTIVES", "gloo")
     results = run("collectives_worker.py", 2, tmp_path, "ops" if why == "asked" else "no-room")
-    assert not any(r["segment"] for r in results)
-    assert all(torch.equal(mine, theirs) for _, mine, theirs in results[0]["results"])
+    for rank, (r, segment) in enumerate(zip(results, through_segment)):
+        assert not r["segment"], rank
+        assert len(r["results"]) == len(segment["results"]) == len(inputs(rank))
+        for i, ((op, mine, _), (_, expected, _)) in enumerate(zip(r["results"], segment["results"])):
+            assert torch.equal(mine, expected), (rank, i, op)  # two ranks: one order of summing
 
 
 def test_a_dead_rank_is_an_error_not_a_hang(tmp_path, shm):
@@ -57,3 +77,31 @@ def test_ranks_out_of_step_raise_instead_of_summing(tmp_path, shm):
     assert all(r["segment"] for r in results)
     for r in results:
         assert r["error"] and "out of step" in r["error"], r
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_rank_raising_in_set_up_leaves_no_segment_file(tmp_path, shm, failing):
+    """Rank 0 makes the file; either rank's mapping of it raises (rank 1's: rank 0 waits for
+    it in a collective, which raises when rank 1 leaves)."""
+    results = run("collectives_worker.py", 2, tmp_path, "setup-raises", failing, timeout=120)
+    injected = results[failing]["error"]
+    assert injected.startswith(f"injected: cannot map {tmp_path / 'segments'}/"), results
+    assert results[1 - failing]["error"], results
+    assert not os.listdir(tmp_path / "segments")
+
+
+def test_set_up_removes_the_segments_of_dead_makers_only(tmp_path, shm):
+    """A segment file whose maker is gone (a rank 0 killed in set-up) goes at the next set-up;
+    one whose maker lives (another server's set-up: here this test's) stays, as do files not
+    named by this pid namespace."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    prefix = collectives.segment_prefix()
+    stale, live = f"{prefix}{ended.pid}-0", f"{prefix}{os.getpid()}-0"
+    others = [f"llama-tp-1-{ended.pid}-0", "other"]  # another pid namespace's, not a segment
+    (tmp_path / "segments").mkdir()
+    for name in (stale, live, *others):
+        (tmp_path / "segments" / name).touch()
+    results = run("collectives_worker.py", 2, tmp_path, "setup")
+    assert all(r["segment"] for r in results)
+    assert sorted(os.listdir(tmp_path / "segments")) == sorted([live, *others])
