@@ -148,12 +148,14 @@ def test_a_failure_in_formatting_an_answer_costs_that_request_only(server, demo_
 def test_a_failure_in_a_decode_step_costs_that_step_only(server, demo_llama):
     """A decode step that raises (injected, at the request's 32nd token) fails the requests in
     that step, which is one batch: the running streams end with an error line, the one that
-    caused it too. A request of three prompts that waited for slots meanwhile is answered as
+    caused it too (an OpenAI stream with an error event, then [DONE]). A request of three prompts that waited for slots meanwhile is answered as
     usual, the slots all come back, and the workers are the same processes."""
     bad = {"prompt": f"Once upon a time {FAULT.format('decode')}", "max_new_tokens": 60, "temperature": 0}
+    openai_long = {"prompt": LONG["prompt"], "max_tokens": 150, "temperature": 0, "stream": True}
+    openai_stream = server.post(openai_long, "/1.0/v1/completions", stream=True).iter_lines()
     streams = [server.post(body | {"stream": True}, stream=True).iter_lines()
-               for body in (LONG | {"max_new_tokens": 150}, LONG | {"max_new_tokens": 150}, bad)]
-    for lines in streams:
+               for body in (LONG | {"max_new_tokens": 150}, bad)]
+    for lines in streams + [openai_stream]:
         next(lines)  # three of the four slots decoding, bad among them
     failed_steps = server.log().count("engine step failed")
     waiting = {"prompt": ["The sea", "A cat", "My dog"], "max_new_tokens": 8, "temperature": 0}
@@ -161,6 +163,11 @@ def test_a_failure_in_a_decode_step_costs_that_step_only(server, demo_llama):
     for lines in streams:  # begun, so a 200 whose last line is the error
         last = [json.loads(line) for line in lines if line][-1]
         assert last["code"] == 500 and "injected fault in decode" in last["message"], last
+    tail = [line for line in openai_stream if line]
+    *_, error, done = tail  # OpenAI's: an error event, then [DONE]
+    assert done == b"data: [DONE]", done
+    error = json.loads(error.removeprefix(b"data: "))["error"]
+    assert error["code"] == 500 and error["type"] == "server_error" and "injected fault in decode" in error["message"]
     assert waited.status_code == 200, waited.text
     assert waited.json() == demo_llama.text_completion(waiting["prompt"], 8, temperature=0)
     deadline = time.time() + 10  # each rank logs the failure once (the log reaches the file a little later)

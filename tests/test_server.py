@@ -256,8 +256,8 @@ def test_same_workers_answer_after_bad_input(server, demo_llama):
     """Bad requests of several kinds each get their 4xx, on the same two workers, which then
     answer right (the suite's other tests send more before this one when run together)."""
     for raw, path in ((b"{not json", ""), (b'{"prompt": 5}', ""), (b'{"prompt": "a", "max_new_tokens": -1}', ""),
-                      (b'{"dialog": [{"role": "robot", "content": "hi"}]}', ""), (b"\xff\xfe", "/v1/completions"),
-                      (b'{"prompt": "a"}', "/v1/nothing")):
+                      (b'{"dialog": [{"role": "robot", "content": "hi"}]}', ""), (b"\xff\xfe", "/1.0/v1/completions"),
+                      (b'{"prompt": "a"}', "/1.0/v1/nothing")):
         r = server.post(raw, path)
         assert 400 <= r.status_code < 500, (raw, path, r.status_code, r.text)
     assert server.worker_pids() == server.initial_pids and len(server.initial_pids) == 2
