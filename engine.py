@@ -156,7 +156,7 @@ class Engine:
         to_sample = []
         for w, (first, last) in zip(work, rows):
             seq = w.seq
-            if seq.needs_prompt_logprobs and seq.cached < len(seq.prompt_tokens):
+            if scores_prompt(seq):
                 self.add_prompt_logprobs(seq, logits[first:last])
             seq.cached += w.n
             if seq.cached < len(seq.prompt_tokens) + len(seq.tokens):
@@ -196,7 +196,7 @@ class Engine:
             else:
                 batch.chunks.append((w.n, used))
             index = len(batch.tokens) - w.n
-            wanted = range(index, index + w.n) if seq.needs_prompt_logprobs else range(index + w.n - 1, index + w.n)
+            wanted = range(index, index + w.n) if scores_prompt(seq) else range(index + w.n - 1, index + w.n)
             rows.append((len(batch.logits_at), len(batch.logits_at) + len(wanted)))
             batch.logits_at += wanted
         if len(batch.logits_at) == len(batch.tokens):
@@ -205,16 +205,18 @@ class Engine:
 
     def add_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor):
         """Log-probabilities (and the most probable tokens) of the prompt tokens that these
-        logits (one row per token computed, from seq.cached on) predict; nothing predicts
-        the first token."""
-        start = seq.cached
-        targets = seq.prompt_tokens[start + 1:start + 1 + logits.shape[0]]
-        if start == 0:
+        logits (one row per token computed, from seq.cached on) predict and that have none
+        yet: a preempted sequence recomputes tokens it scored before, and keeps those scores.
+        Nothing predicts the first token."""
+        if not seq.prompt_logprobs:
             seq.prompt_logprobs.append(0.0)
             seq.prompt_top_logprobs.append([])
+        start = len(seq.prompt_logprobs)  # the first token without a score
+        skip = start - 1 - seq.cached  # row i predicts token seq.cached + 1 + i
+        targets = seq.prompt_tokens[start:seq.cached + 1 + logits.shape[0]]
         if targets:
-            chosen, top = token_logprobs(logits[:len(targets)], torch.tensor(targets, device=logits.device),
-                                         seq.params.top_logprobs)
+            chosen, top = token_logprobs(logits[skip:skip + len(targets)],
+                                         torch.tensor(targets, device=logits.device), seq.params.top_logprobs)
             seq.prompt_logprobs += chosen
             seq.prompt_top_logprobs += top
 
@@ -269,6 +271,13 @@ def overlap_by_default(on_gpu: bool, cores: int, threads_in_use: int) -> bool:
 def use_device(device: torch.device):
     if device.type == "cuda":  # a new thread's current device is cuda:0
         torch.cuda.set_device(device)
+
+
+def scores_prompt(seq: Sequence) -> bool:
+    """Whether the tokens computed for seq score its prompt (every row's logits): echo with
+    logprobs, until each prompt token has its logprob. A preempted sequence's recomputed
+    prompt is not scored again, so that its logprobs come once."""
+    return seq.needs_prompt_logprobs and len(seq.prompt_logprobs) < len(seq.prompt_tokens)
 
 
 def tokens_between(seq: Sequence, start: int, end: int) -> list[int]:

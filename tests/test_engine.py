@@ -116,6 +116,25 @@ def test_scheduler_preempts_the_newest_when_blocks_run_out():
     assert list(sched.waiting) == [new] and new.cached == 0 and new.table.blocks == []
 
 
+def test_a_sequence_preempted_after_its_turn_gets_no_work():
+    """The newest sequence decodes, then an older one that took two tokens at once (as a
+    draft would) needs a block: the newest is preempted, and its token, scheduled already,
+    is dropped from the step. (The engine's own steps never get here: prompts hold their
+    blocks from admission, decodes go oldest first, and the victim is the newest.)"""
+    pool = BlockPool(4, 2)
+    sched = Scheduler(pool, max_seqs=2)
+    old, new = FakeSeq(0, [1, 2, 3]), FakeSeq(1, [4, 5])
+    sched.add(old)
+    sched.add(new)
+    assert [(w.seq.id, w.n) for w in sched.schedule()] == [(0, 3), (1, 2)]  # 3 of the 4 blocks
+    old.cached, new.cached = 3, 2
+    old.tokens += [7, 8]
+    new.tokens.append(9)
+    work = sched.schedule()  # new takes the last block for its token, old needs one more
+    assert [(w.seq.id, w.n) for w in work] == [(0, 2)] and sched.preemptions == 1
+    assert list(sched.waiting) == [new] and new.cached == 0 and new.table.blocks == []
+
+
 # --- engine.py --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
