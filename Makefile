@@ -20,7 +20,7 @@ MODEL_FILES := $(wildcard *.py)
 DEMO_FILES := demo/params.json demo/consolidated.00.pth demo/tokenizer.model
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: install demo-model mar serve stop test bench bench-serving clean check-java
+.PHONY: install demo-model mar serve stop test test-quick bench bench-serving clean check-java
 
 check-java:
 	@command -v java >/dev/null || { echo "TorchServe needs Java 17 or newer: sudo apt-get install -y openjdk-17-jre-headless"; exit 1; }
@@ -69,6 +69,10 @@ stop:
 
 test: check-java .venv/.test
 	$(PY) -m pytest -q tests
+
+# The edit loop's tier: in-process tests only (no TorchServe, torchrun or torch.compile).
+test-quick: .venv/.test
+	$(PY) -m pytest -q -m "not slow" tests
 
 bench: .venv/.test
 	$(PY) bench/decode.py

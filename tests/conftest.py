@@ -14,6 +14,37 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import make_checkpoint  # noqa: E402
+import torchrun  # noqa: E402
+from local_server import Server  # noqa: E402
+
+# --- tiers: `make test` runs every test, `make test-quick` those not marked slow -----------
+# A test is slow when it starts TorchServe or torchrun ranks, through one of these fixtures
+# (marked here) or by itself (marked in its module; a guard fails a quick test that does), or
+# compiles (torch.compile: marked in its module).
+TORCHSERVE_FIXTURES = {"server", "llama3_server", "own_server", "limited", "configured"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts TorchServe or torchrun ranks, or compiles (make test-quick leaves it out)")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if TORCHSERVE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def quick_tests_start_nothing(request, monkeypatch):
+    if request.node.get_closest_marker("slow") is not None:
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts TorchServe or torchrun ranks: mark it slow")
+
+    for name in ("start", "make_serve"):
+        monkeypatch.setattr(Server, name, refuse)
+    monkeypatch.setattr(torchrun, "run_ranks", refuse)
 
 TOKENIZER = os.path.join(ROOT, "demo", "tokenizer.model")
 

@@ -17,6 +17,8 @@ import collectives
 from collectives_worker import inputs
 from torchrun import run
 
+pytestmark = pytest.mark.slow  # torchrun ranks
+
 
 @pytest.fixture
 def shm(monkeypatch):

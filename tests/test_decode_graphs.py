@@ -4,11 +4,14 @@ block, block tables padded to a blocks bucket) give the eager logits, never reco
 compile_decode returns, and leave the cache rows outside the batch as they were. No GPU here: the capture itself is
 checked by bench/gpu_check.sh (part graphs)."""
 
+import pytest
 import torch
 
 import llama2
 from conftest import TOKENIZER
 from tp_worker import max_diff
+
+pytestmark = pytest.mark.slow  # torch.compile
 
 MAX_BATCH, MAX_SEQ_LEN, PROMPT = 8, 80, 20
 

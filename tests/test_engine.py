@@ -268,6 +268,7 @@ def test_run_takes_the_steps_that_fit_in_its_time():
     assert engine.run(16, seconds=1e-9, min_steps=4) == 4
 
 
+@pytest.mark.slow
 def test_tp2_ranks_decide_alike_and_match_tp1(results, tmp_path):
     """At TP=2 the ranks' schedulers decide alike and give TP=1's tokens; in run(16, seconds),
     with one rank's steps slower than the other's, both take rank 0's count of steps."""
@@ -282,6 +283,7 @@ def test_tp2_ranks_decide_alike_and_match_tp1(results, tmp_path):
             assert rank[config]["hits"] == results[config]["hits"]
 
 
+@pytest.mark.slow  # torch.compile
 def test_compiled_engine_never_recompiles():
     """compile_decode's graphs serve the engine's decode steps, whatever the number of
     sequences and blocks; prefill chunks run eager. Outputs equal the eager engine's."""

@@ -11,6 +11,8 @@ import torch
 from test_generate import MAX_BATCH, MAX_SEQ_LEN, N_NEW, PROMPTS, chosen, hf_greedy, hf_log_probs
 from torchrun import run
 
+pytestmark = pytest.mark.slow  # torchrun ranks
+
 
 @pytest.mark.parametrize("name, layout", [("mha", "hf"), ("gqa", "meta:2")])
 def test_tp2_generation(checkpoints, tmp_path, name, layout):

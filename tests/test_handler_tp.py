@@ -12,6 +12,8 @@ from conftest import DEMO
 from handler_worker import DECODED, REQUESTS
 from torchrun import run
 
+pytestmark = pytest.mark.slow  # torchrun ranks
+
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_the_ranks_follow_rank_0s_batches(tmp_path, demo_llama, overlap):

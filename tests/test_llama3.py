@@ -188,6 +188,7 @@ def test_rope_scaling_matters_at_these_positions(llama3):
         assert (unscaled - reference(hf, model.vocab_size)).abs().max().item() > 100 * TOL, (name, layout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_logits_equal_transformers_tp(llama3, tmp_path, world_size):
     """TP 2 and 4 (8 query heads and 2 KV heads: at TP=4 each KV head sits on two ranks),

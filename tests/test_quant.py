@@ -236,40 +236,41 @@ def greedy(llama) -> tuple[list, list]:
     return generate.generate(llama.model, tokens, N_NEW, temperature=0, logprobs=True, tokenizer=llama.tokenizer)
 
 
-def test_tp2_int8_gives_the_greedy_tokens_of_tp1_int8(tmp_path):
-    """Each rank quantizes its own shard; the row-parallel shards (wo, w2) take their scales
-    from whole rows (an all-reduce of the row maxima), as at TP=1. The logprobs differ by the
-    bf16 rounding of the partial sums (up to 0.03 measured)."""
-    tokens, logprobs = greedy(load_demo("int8", max_seq_len=128, max_batch_size=len(PROMPTS)))
-    results = run("quant_worker.py", 2, tmp_path, "int8", *PROMPTS)
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_tp2_gives_the_greedy_tokens_of_tp1(tmp_path, mode):
+    """Each rank quantizes its own shard; int8's row-parallel shards (wo, w2) take their
+    scales from whole rows (an all-reduce of the row maxima), as at TP=1; int4's groups of
+    input channels lie within a shard. The logprobs differ by the bf16 rounding of the
+    partial sums (up to 0.03 measured for int8)."""
+    tokens, logprobs = greedy(load_demo(mode, max_seq_len=128, max_batch_size=len(PROMPTS)))
+    results = run("quant_worker.py", 2, tmp_path, mode, *PROMPTS)
     for r in results:
         assert r["greedy"] == tokens
         for ours, theirs in zip(r["logprobs"], logprobs):
             assert ours == pytest.approx(theirs, abs=0.1)
 
 
-@pytest.fixture(scope="module")
-def int8_demo_llama():
-    return llama2.tp_llama(None, DEMO, os.path.join(DEMO, "tokenizer.model"), 1, max_batch_size=SERVER_SLOTS,
-                           max_seq_len=SERVER_MAX_SEQ_LEN, quantization="int8")
-
-
-def test_torchserve_with_int8_answers_as_int8_in_process(tmp_path, int8_demo_llama, demo_llama):
-    """handler.quantization: int8 on a TP=2 TorchServe: greedy answers and their logprobs
-    are the int8 model's in this process (logprobs within the bf16 rounding of TP=2's
-    partial sums, measured up to 0.03)."""
+@pytest.mark.slow
+def test_torchserve_with_int4_answers_as_int4_in_process(tmp_path, demo_llama):
+    """handler.quantization: int4 on a TP=2 TorchServe (one server for the setting's way
+    through the handler; int8 shares it and is tested at TP=2 above): greedy answers and
+    their logprobs are the int4 model's in this process (logprobs within the bf16 rounding
+    of TP=2's partial sums)."""
     body = {"prompt": PROMPTS, "temperature": 0, "max_new_tokens": N_NEW, "logprobs": True}
-    server = start_demo_server(tmp_path, quantization="int8")
+    server = start_demo_server(tmp_path, quantization="int4")
     try:
         answers = server.generate(body)
     finally:
         server.stop()
-    expected = int8_demo_llama.text_completion(PROMPTS, N_NEW, temperature=0, logprobs=True)
+    int4_demo_llama = llama2.tp_llama(None, DEMO, os.path.join(DEMO, "tokenizer.model"), 1,
+                                      max_batch_size=SERVER_SLOTS, max_seq_len=SERVER_MAX_SEQ_LEN, quantization="int4")
+    expected = int4_demo_llama.text_completion(PROMPTS, N_NEW, temperature=0, logprobs=True)
     unquantized = demo_llama.text_completion(PROMPTS, N_NEW, temperature=0, logprobs=True)
     for answer, want in zip(answers, expected):
         assert answer["generation"] == want["generation"] and answer["tokens"] == want["tokens"]
         assert answer["logprobs"] == pytest.approx(want["logprobs"], abs=0.1)
-    # int8 answers otherwise than the unquantized model here, so a server that did not
+    # int4 answers otherwise than the unquantized model here, so a server that did not
     # quantize would fail
     assert [a["generation"] for a in expected] != [u["generation"] for u in unquantized]
 

@@ -180,6 +180,7 @@ def no_torchserve_left(server: Server) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["missing folder", "TP=3", "truncated weights", "tokenizer of another vocabulary"])
 def test_make_serve_refuses_in_seconds(tmp_path, small_tokenizer, case):
     server = Server(str(tmp_path / "ts"), tp=3 if case == "TP=3" else 2)
@@ -205,6 +206,7 @@ def test_make_serve_refuses_in_seconds(tmp_path, small_tokenizer, case):
         server.stop()  # should there be one
 
 
+@pytest.mark.slow
 def test_make_serve_stops_a_worker_that_fails_to_load(tmp_path):
     """A tensor of the wrong shape passes the checks (they read no weights): TorchServe starts,
     both ranks fail to load, and `make serve` says where and stops TorchServe, which would

@@ -12,6 +12,8 @@ from tokenizer import Tokenizer
 from torchrun import run
 from tp_worker import expected_rows, fixed_tokens, max_diff, run_model
 
+pytestmark = pytest.mark.slow  # torchrun ranks
+
 TOL = 1e-4
 
 
