@@ -421,10 +421,10 @@ class LlamaHandler(BaseHandler):
         # every rank logs this line: the tests compare the ranks' sequence ids, tokens and
         # scheduling decisions (block tables included) so far
         tokens = [s.tokens for s in job.seqs]
-        logger.info("done %s rank=%s seqs=%s tokens=%s decisions=%s generated=%s", req_id,
+        logger.info("done %s rank=%s seqs=%s tokens=%s decisions=%s generated=%s preemptions=%d", req_id,
                     os.environ.get("RANK", "0"), [s.id for s in job.seqs],
                     hashlib.sha1(repr(tokens).encode()).hexdigest(), self.engine.scheduler.digest.hexdigest(),
-                    [len(t) for t in tokens])
+                    [len(t) for t in tokens], self.engine.scheduler.preemptions)
 
     def guarded_message(self, job: Job, req_id: str):
         """message(job), or its error when formatting it raises: one bad answer costs its

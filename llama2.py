@@ -396,7 +396,8 @@ class Transformer(nn.Module):
                     for _ in range(3):  # cudagraph trees: a warm-up run, the capture, a replay
                         self.bucketed_decode(nothing, rows, width, position)
             return
-        rows = min(2, self.params.max_batch_size)
+        # as many cache rows as the pool holds (a small kv_cache_bytes may give it one)
+        rows = min(2, self.params.max_batch_size, self.num_blocks // self.row_blocks)
         length = min(self.block_size + 2, self.params.max_seq_len - 1)
         tokens = torch.zeros(rows, length, dtype=torch.long, device=self.tok_embeddings.weight.device)
         self(tokens, 0)  # a prefill (eager), then decode steps of each kind; rows 0 and 1 get junk

@@ -511,13 +511,19 @@ def test_sustained_mixed_load(server, demo_llama):
 # --- 4. limits --------------------------------------------------------------------------------
 
 LIMITS = {"max_new_tokens": 32, "max_prompt_tokens": 40, "max_prompts": 2, "max_messages": 3, "max_body_bytes": 4096}
+# 8 KV blocks of 16 tokens: one max_seq_len of 128 fits; a sequence of the limits takes 5
+# (40 + 32 tokens), and four at once preempt each other
+KV_BLOCKS, LIMITED_SEQ_LEN = 8, 128
 
 
 @pytest.fixture(scope="module")
-def limited(tmp_path_factory):
-    """A second TorchServe whose handler.limits are small, and which compiles its decode
-    step (handler.compile), so that the compiled path is served end to end too."""
-    srv = start_demo_server(tmp_path_factory.mktemp("limited"), limits=LIMITS, compile=True)
+def limited(tmp_path_factory, demo_llama):
+    """A second TorchServe whose handler.limits are small, its context and KV cache too (a
+    demo block holds half its TP=1 bytes on each of two ranks), and which compiles its
+    decode step (handler.compile), so that the compiled path is served end to end too."""
+    kv_cache_bytes = KV_BLOCKS * demo_llama.model.kv_block_bytes() // 2
+    srv = start_demo_server(tmp_path_factory.mktemp("limited"), limits=LIMITS, compile=True,
+                            kv_cache_bytes=kv_cache_bytes, max_seq_len=LIMITED_SEQ_LEN)
     yield srv
     srv.stop()
 
@@ -542,6 +548,30 @@ def test_compiled_server_answers_as_in_process(limited, demo_llama):
     answers = limited.generate({"prompt": prompts, "max_new_tokens": 24, "temperature": 0})
     assert answers == demo_llama.text_completion(prompts, 24, temperature=0)
     assert "compiled the decode step" in limited.log()
+
+
+def test_preempted_requests_keep_their_prompt_logprobs(limited, demo_llama):
+    """Two requests of two 39-token prompts each, echo and logprobs as lm-eval asks for
+    loglikelihoods, on 8 KV blocks: their sequences preempt each other, and every answer,
+    prompt logprobs included, is what the in-process model gives with a cache for all."""
+    a = prompt_of(demo_llama.tokenizer, 39)
+    b = " ".join("hgfedcba"[i % 8] for i in range(38))
+    prompts = [[a, b], [b, a]]
+    bodies = [{"prompt": p, "max_tokens": 32, "temperature": 0, "echo": True, "logprobs": 1, "ignore_eos": True}
+              for p in prompts]  # every sequence grows to 5 blocks
+    before = re.findall(r"done \S+ rank=0 .* preemptions=(\d+)", limited.log())
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda b: limited.post(b, COMPLETIONS), bodies))
+    preemptions = [int(n) for n in re.findall(r"done \S+ rank=0 .* preemptions=(\d+)", limited.log())]
+    assert preemptions[-1] > (int(before[-1]) if before else 0), "no sequence was preempted"
+    for r, body in zip(answers, bodies):
+        assert r.status_code == 200, r.text
+        local = demo_llama.text_completion(body["prompt"], 32, temperature=0, logprobs=True, echo=True,
+                                           ignore_eos=True)
+        for choice, want in zip(r.json()["choices"], local):
+            values = choice["logprobs"]["token_logprobs"]
+            assert choice["text"] == want["generation"]  # the prompt, then the answer
+            assert values[0] is None and values[1:] == pytest.approx(want["logprobs"][1:], abs=1e-3)
 
 
 def test_limit_max_new_tokens(limited):

@@ -1,8 +1,9 @@
 """Imported at start-up by every Python whose PYTHONPATH has this folder (tests/runtime.py
 puts it there): it makes the Python one with the runtime requirements alone, however many
-test packages the venv holds. The path finder no longer finds a top-level module of
-site-packages unless the JSON file that $LLAMA_RUNTIME_MODULES names lists it, as if it
-were not installed; the standard library and this repository's modules stay."""
+test packages the venv holds. The path finder no longer finds a top-level module in a
+site-packages folder unless the JSON file that $LLAMA_RUNTIME_MODULES names lists it, as if
+it were not installed; the standard library, this repository's modules and the folders a
+package puts on sys.path itself (setuptools' _vendor) stay."""
 
 import json
 import os
@@ -15,8 +16,8 @@ class RuntimeOnly:
         self.allowed = allowed
 
     def find_spec(self, name, path=None, target=None):
-        if path is None and name not in self.allowed:  # a top-level module: where is it?
-            path = [p for p in sys.path if "site-packages" not in p]
+        if path is None and name not in self.allowed:  # a top-level module: not in site-packages
+            path = [p for p in sys.path if os.path.basename(os.path.normpath(p)) != "site-packages"]
         return PathFinder.find_spec(name, path, target)
 
     def invalidate_caches(self):
