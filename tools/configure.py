@@ -18,6 +18,7 @@ import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import chat_format  # noqa: E402
 import checkpoint  # noqa: E402
 import llama2  # noqa: E402
 from tokenizer import Tokenizer, tokenizer_file  # noqa: E402
@@ -75,9 +76,10 @@ def check(config: dict, weights: str | None = None) -> str:
     every rank fail to load: a checkpoint folder that is missing, in neither layout, incomplete
     or with a file cut short, an index that names files by path (outside the folder), a
     safetensors header whose tensors lie outside their file; a missing tokenizer or one whose
-    vocabulary does not fit the model; a TP size that does not divide the model's heads, KV
-    heads or FFN width (or more ranks than GPUs); a max_seq_len beyond the positions the model
-    was made for. Reads the checkpoint's JSON files and file headers, no weights."""
+    vocabulary does not fit the model, or a chat template that fails on a sample dialog; a TP
+    size that does not divide the model's heads, KV heads or FFN width (or more ranks than
+    GPUs); a max_seq_len beyond the positions the model was made for. Reads the checkpoint's
+    JSON files and file headers, no weights."""
     handler, tp = config["handler"], int(config["torchrun"]["nproc-per-node"])
     configured = handler.get("checkpoint", "weights")  # the handler's default
     folder = on_disk(configured, weights)
@@ -90,9 +92,14 @@ def check(config: dict, weights: str | None = None) -> str:
     except FileNotFoundError as e:
         raise ValueError(f"{e} (give TOKENIZER=... or handler.tokenizer)") from None
     try:
-        n_words = Tokenizer(tokenizer_path).n_words
+        tokenizer = Tokenizer(tokenizer_path)
     except Exception as e:  # whatever the tokenizer library raises for a file it cannot read
         raise ValueError(f"cannot read the tokenizer {tokenizer_path}: {e}") from None
+    n_words = tokenizer.n_words
+    try:  # a template that fails on a plain exchange would fail every chat request
+        chat_format.check_template(tokenizer)
+    except ValueError as e:
+        raise ValueError(f"{e} (rendering a sample dialog with the chat template beside {tokenizer_path})") from None
     vocab = args["vocab_size"]
     if vocab > 0 and not n_words <= vocab < n_words + VOCAB_PADDING:
         raise ValueError(f"the tokenizer {tokenizer_path} has {n_words} tokens, the model in {folder} "
