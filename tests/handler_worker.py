@@ -22,6 +22,7 @@ from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
 from ts.service import Service
 
 import chat_format
+import chat_template
 import handler
 
 # (iteration it arrives at, id, url path, body)
@@ -118,7 +119,7 @@ def main():
     requests, decoded, other = SUITES[sys.argv[4] if len(sys.argv) > 4 else "demo"]
     rank = int(os.environ["RANK"])
     if rank != 0:
-        chat_format.datetime = Tomorrow
+        chat_template.datetime = Tomorrow
     h = handler.LlamaHandler()
     ctx = context(out_dir, overlap, checkpoint)
     h.initialize(ctx)

@@ -111,36 +111,24 @@ def test_disconnect_stops_decoding_within_a_step(server):
         assert len(received) <= generated <= len(received) + 3, (generated, received)
 
 
-def test_a_failure_in_preprocess_costs_that_request_only(server, demo_llama):
-    """A bug while reading a request (injected: handler.FAULT) costs that request a 500; the
-    requests decoding meanwhile and those sent with it are answered as usual, no slot stays
-    taken, and the workers are the same processes."""
+@pytest.mark.parametrize("where", ["preprocess", "answer"])
+def test_a_failure_reading_or_answering_costs_that_request_only(server, demo_llama, where):
+    """A bug while reading a request or formatting its answer (injected: handler.FAULT, a
+    BaseException as a Rust panic is) costs that request a 500; the requests decoding
+    meanwhile and those sent with it are answered as usual, no slot stays taken, and the
+    workers are the same processes."""
     running = server.post(LONG | {"max_new_tokens": 40, "stream": True}, stream=True)
     lines = running.iter_lines()
     first = json.loads(next(lines))["text"]  # it is decoding
-    bad = {"prompt": f"Once upon a time {FAULT.format('preprocess')}", "max_new_tokens": 8, "temperature": 0}
+    bad = {"prompt": f"Once upon a time {FAULT.format(where)}", "max_new_tokens": 8, "temperature": 0}
     good = {"prompt": "Once upon a time", "max_new_tokens": 8, "temperature": 0}
     with ThreadPoolExecutor(2) as pool:
         bad_r, good_r = pool.map(server.post, [bad, good])
     assert bad_r.status_code == 500, bad_r.text
-    assert "internal error: InjectedFault: injected fault in preprocess" in bad_r.json()["message"]
+    assert f"internal error: InjectedFault: injected fault in {where}" in bad_r.json()["message"]
     assert good_r.json() == demo_llama.text_completion([good["prompt"]], 8, temperature=0)[0]
     rest = "".join(json.loads(line).get("text", "") for line in lines if line)
     assert first + rest == demo_llama.text_completion([LONG["prompt"]], 40, temperature=0)[0]["generation"]
-    assert slots_in_use(server) == 0
-    assert server.worker_pids() == server.initial_pids
-
-
-def test_a_failure_in_formatting_an_answer_costs_that_request_only(server, demo_llama):
-    """A bug while formatting one answer (injected) gives that request a 500 of its own; a
-    request finishing in the same iteration is answered as usual, on the same workers."""
-    bad = {"prompt": f"Once upon a time {FAULT.format('answer')}", "max_new_tokens": 8, "temperature": 0}
-    good = {"prompt": "Once upon a time", "max_new_tokens": 8, "temperature": 0}
-    with ThreadPoolExecutor(2) as pool:
-        bad_r, good_r = pool.map(server.post, [bad, good])
-    assert bad_r.status_code == 500, bad_r.text
-    assert "internal error: InjectedFault: injected fault in answer" in bad_r.json()["message"]
-    assert good_r.json() == demo_llama.text_completion([good["prompt"]], 8, temperature=0)[0]
     assert slots_in_use(server) == 0
     assert server.worker_pids() == server.initial_pids
 
