@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 
 import chat_format
 import generate
-from generate import SamplingParams, Sequence
+from sequence import SamplingParams, Sequence
 
 
 class RequestError(Exception):

@@ -150,6 +150,13 @@ def requested() -> str:
     return wanted
 
 
+def tp_world() -> tuple[int, int]:
+    """(rank, world_size) of the default process group, (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def setup():
     """Use shared memory for the default group's collectives when its ranks are this host's
     CPU processes (x86-64: the ordering of the segment's stores is reasoned for its memory

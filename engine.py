@@ -19,10 +19,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 import collectives
-from generate import SamplingParams, Sequence, adjust_logits, sample, token_logprobs
+from batch import Batch
 from kv_cache import BlockPool
-from llama2 import Batch, tp_world
+from sampler import adjust_logits, sample, token_logprobs
 from scheduler import Scheduler, Work
+from sequence import SamplingParams, Sequence
 from tokenizer import TextStream
 
 
@@ -141,7 +142,7 @@ class Engine:
         rank 0's clock: each rank's own would differ, and the ranks must take the same steps."""
         fit = int(seconds / self.pace) if self.pace else min_steps
         steps = torch.tensor([max(min_steps, min(max_steps, fit))], device=self.device)
-        if tp_world()[1] > 1:
+        if collectives.tp_world()[1] > 1:
             collectives.broadcast(steps, src=0)
         return int(steps)
 
@@ -225,7 +226,7 @@ class Engine:
         if not seqs:
             return
         next_tokens = sample(adjust_logits(logits, seqs), seqs)
-        if tp_world()[1] > 1:
+        if collectives.tp_world()[1] > 1:
             collectives.broadcast(next_tokens, src=0)
         asked = [s.params.top_logprobs for s in seqs if s.params.logprobs]
         if asked:

@@ -4,7 +4,7 @@ folder (Meta or Hugging Face layout) straight into each rank's shard."""
 import dataclasses
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,7 @@ import checkpoint
 import collectives
 import generate
 import quant
+from batch import Batch
 from tokenizer import Tokenizer
 
 
@@ -121,13 +122,6 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
 
 
-def tp_world() -> tuple[int, int]:
-    """(rank, world_size) of the default process group, (0, 1) without one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def head_ranges(args: ModelArgs, rank: int, world_size: int) -> tuple[range, range]:
     """The query heads and key/value heads that one rank holds. With fewer KV heads than
     ranks, each KV head is replicated on the ranks whose query heads use it (as vLLM does)."""
@@ -149,21 +143,6 @@ def head_ranges(args: ModelArgs, rank: int, world_size: int) -> tuple[range, ran
 
 
 KV_BLOCK_SIZE = 16  # tokens per KV-cache block
-
-
-@dataclass
-class Batch:
-    """One forward pass over sequences whose keys and values live in the paged KV cache.
-    The first n_decode tokens each take one sequence one token further; after them come
-    prefill chunks, each a run of consecutive tokens of one sequence. Plain lists: the
-    engine builds them, Transformer.forward_batch turns them into tensors."""
-    tokens: list[int]
-    positions: list[int]
-    slots: list[int]  # where each token's keys and values go: block * block_size + offset
-    n_decode: int = 0
-    decode_blocks: list[list[int]] = field(default_factory=list)  # each decoding sequence's block table
-    chunks: list[tuple[int, list[int]]] = field(default_factory=list)  # (tokens, block table) per chunk
-    logits_at: list[int] | None = None  # the tokens whose logits are wanted; None: all
 
 
 @dataclass
@@ -530,7 +509,7 @@ def parallelize_llama_attn_block(model: Transformer, world_size: int):
     replicated), as vLLM's VocabParallelEmbedding and ParallelLMHead. Each rank ends up with
     plain local tensors, so a forward pass costs an all-reduce for the embedding, two per
     layer and an all-gather of the logits, with no DTensor dispatch in the loop."""
-    rank, ws = tp_world()
+    rank, ws = collectives.tp_world()
     if ws != world_size:
         raise ValueError(f"world_size {world_size} does not match the process group's size {ws}")
     if world_size == 1:
@@ -629,7 +608,7 @@ def tp_llama(model_args, checkpoint_path, tokenizer_path, world_size, dtype: tor
     None, "int8" or "int4" (quant.py): each rank quantizes its shard as it loads it."""
     report = progress or (lambda stage, **figures: None)
     device = init_distributed(world_size)
-    rank, _ = tp_world()
+    rank, _ = collectives.tp_world()
     report("reading checkpoint", path=checkpoint_path)
     tokenizer = Tokenizer(tokenizer_path or checkpoint_path)  # a file, or a folder that holds one
     reader = checkpoint.open_checkpoint(checkpoint_path)

@@ -9,7 +9,7 @@ import json
 import api
 import chat_format
 from api import MAX_TOP_LOGPROBS, Defaults, Limits, Request, RequestError
-from generate import Sequence
+from sequence import Sequence
 from tokenizer import TextStream
 
 # Accepted only at their neutral value: anything else is refused rather than ignored.

@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kv_cache import BlockPool, BlockTable
+from sequence import Sequence
 
 
 def default_token_budget(max_seqs: int, on_gpu: bool) -> int:
@@ -25,7 +26,7 @@ def default_token_budget(max_seqs: int, on_gpu: bool) -> int:
 @dataclass
 class Work:
     """One step's work for one sequence: its next n tokens into the cache."""
-    seq: "Sequence"  # noqa: F821 (generate.Sequence)
+    seq: Sequence
     n: int
 
 

@@ -63,7 +63,7 @@ def rank_all_reduce() -> dict:
 def rank_decode(ckpt: str) -> dict:
     import llama2
     from engine import Engine
-    from generate import SamplingParams
+    from sequence import SamplingParams
 
     llama = llama2.tp_llama(None, ckpt, None, int(os.environ["WORLD_SIZE"]), max_batch_size=8, max_seq_len=512)
     engine = Engine(llama.model, llama.tokenizer)

@@ -7,7 +7,7 @@ private TorchServes (tools/local_server.py) serving one random Llama (TP=2 on CP
   idle and busy TTFT) on the baseline (the engine before the paged KV cache: --baseline,
   built from that commit), on this engine with its steps overlapping TorchServe's round
   trip, one per iteration (handler.overlap true: a GPU's default), and on this engine as
-  configured (handler.overlap auto: on this CPU, unless a core is left over, handler.py's
+  configured (handler.overlap auto: on this CPU, unless a core is left over, serving_config.py's
   IN_TURN_STEPS and IN_TURN_SECONDS, in turn with the round trip).
 - shared: 64 chat requests sharing a 512-token system prompt, 32-token user turns, 8
   clients: prefix caching on against off.
@@ -41,8 +41,7 @@ import requests
 import report
 import serving
 import collectives
-from handler import IN_TURN_SECONDS, IN_TURN_STEPS
-from scheduler import default_token_budget
+from serving_config import IN_TURN_SECONDS, IN_TURN_STEPS, default_token_budget
 
 ROOT = serving.ROOT
 SHAPES = {"26M": (512, 8, 8), "110M": (768, 12, 12)}  # dim, layers, heads: bench/decode.py's
@@ -322,7 +321,7 @@ def in_process_rank(ckpt: str, folder: str):
     sys.path.insert(0, ROOT)
     import llama2
     from engine import Engine
-    from generate import SamplingParams
+    from sequence import SamplingParams
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank0 = int(os.environ.get("RANK", "0")) == 0

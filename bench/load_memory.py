@@ -78,6 +78,7 @@ def measure(folder: str, out_dir: str, quantization: str):
     quantization is "none", and save this rank's figures to out_dir/rank{r}.json."""
     import torch
 
+    import collectives
     import llama2
 
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -104,7 +105,7 @@ def measure(folder: str, out_dir: str, quantization: str):
 
     trimmed = malloc_trim()
     caches = [t for layer in model.layers for t in (layer.attention.cache_k, layer.attention.cache_v)]
-    rank = llama2.tp_world()[0]
+    rank = collectives.tp_world()[0]
     weights = [*model.parameters(), *model.buffers()]  # quantized weights and scales are buffers
     result = {"rank": rank, "world_size": world_size, "seconds": seconds, "quantization": quantization,
               "shard": sum(t.numel() * t.element_size() for t in weights),

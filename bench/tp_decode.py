@@ -254,7 +254,7 @@ def main():
         result["comm_ms"] = {b: comm_ms(model.params, b, model.output_group is not None) for b in BATCHES}
         if a.dtensor:
             result["dtensor"] = dtensor_comparison(a.folder, model)
-    if llama2.tp_world()[0] == 0:
+    if collectives.tp_world()[0] == 0:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
     if dist.is_initialized():

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from engine import Engine
-from generate import SamplingParams
+from sequence import SamplingParams
 
 SYSTEM = "You are a cheerful assistant. You answer every question briefly, kindly and with a joke. "
 QUESTIONS = ["What is the sea?", "Why is the sky blue?", "Tell me a story.", "Count to five."]

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import generate as G
+import sequence
 from engine import Engine
 import llama2
 
@@ -47,7 +48,7 @@ def main():
     res["text_seeded"] = [o["generation"] for o in out]
     # the Engine with sequences joining at different times, sampled
     eng = Engine(model, tok)
-    params = G.SamplingParams(max_gen_len=n, temperature=1.0, top_p=0.9)
+    params = sequence.SamplingParams(max_gen_len=n, temperature=1.0, top_p=0.9)
     seqs = [eng.add(prompts[0], params)]
     for p in prompts[1:]:
         eng.step()

@@ -60,6 +60,7 @@ def runtime_modules() -> list[str]:
 def environment(tmp_dir, env: dict | None = None) -> dict:
     """env (os.environ by default) for a subprocess with the runtime requirements alone."""
     env = dict(os.environ if env is None else env)
+    os.makedirs(tmp_dir, exist_ok=True)
     listing = os.path.join(str(tmp_dir), "runtime_modules.json")
     with open(listing, "w") as f:
         json.dump(runtime_modules(), f)

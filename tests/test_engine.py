@@ -13,7 +13,7 @@ import llama2
 from conftest import DEMO
 from engine import Engine, overlap_by_default
 from engine_worker import CONFIGS, N_NEW, SYSTEM, workload
-from generate import SamplingParams
+from sequence import SamplingParams
 from kv_cache import BlockPool, BlockTable, block_hash
 from scheduler import Scheduler, default_token_budget
 from torchrun import run

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import chat_format
 import generate as G
+import sequence
 from engine import Engine
 import llama2
 
@@ -475,7 +476,7 @@ def test_chat_completion(mha):
 # --- Engine: continuous batching -------------------------------------------------------------
 
 def greedy(n=N_NEW, **kw):
-    return G.SamplingParams(max_gen_len=n, temperature=0, **kw)
+    return sequence.SamplingParams(max_gen_len=n, temperature=0, **kw)
 
 
 def test_engine_staggered_sequences_match_running_alone(mha):
@@ -507,7 +508,7 @@ def test_engine_staggered_sequences_match_running_alone(mha):
     eng.release(a)
     assert a not in eng.running
     d = eng.add(prompts[3], greedy(lengths[3]))
-    s = eng.add(prompts[2], G.SamplingParams(**sampled_params))
+    s = eng.add(prompts[2], sequence.SamplingParams(**sampled_params))
     e = eng.add(prompts[1], greedy())  # a fifth sequence: it waits until one of the four ends
     eng.step()
     assert e in eng.scheduler.waiting and len(eng.scheduler.running) == MAX_BATCH
@@ -611,7 +612,7 @@ def naive_held_back(text: str, stops: tuple[str, ...]) -> int:
 def test_stop_ends_hold_back_what_the_definition_does(stops, pieces):
     """StopEnds, fed piece by piece (whole stop strings among them, as before min_tokens),
     holds back at every moment what the definition says of the whole text."""
-    ends, text = G.StopEnds(tuple(stops)), ""
+    ends, text = sequence.StopEnds(tuple(stops)), ""
     for piece in pieces:
         ends.feed(piece)
         text += piece
@@ -623,7 +624,7 @@ def test_stop_ends_cost_grows_with_the_new_text_alone():
     stop strings of 512 characters (the limit), 8,000 characters fed one at a time, in
     steps of the automaton counted through a str subclass (no timing)."""
     stops = tuple("a" * 511 + chr(ord("b") + i) for i in range(16))  # each a near-match of a run of a's
-    ends = G.StopEnds(stops)
+    ends = sequence.StopEnds(stops)
     for _ in range(8000):
         ends.feed("a")
     assert ends.held_back() == 511

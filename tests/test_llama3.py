@@ -14,6 +14,7 @@ import torch
 
 import chat_format
 import generate as G
+import sequence
 from engine import Engine
 import llama2
 from conftest import LLAMA3_CONFIGS, LLAMA3_RANKS
@@ -282,7 +283,7 @@ def test_streamed_characters_are_whole(tokenizers):
         stop = tok.special_tokens["<|eot_id|>"]
         script = {len(prompt) - 1 + i: t for i, t in enumerate(ids + [stop])}
         eng = Engine(ScriptedModel(script, tok.n_words, stop), tok)
-        seq = eng.add(prompt, G.SamplingParams(max_gen_len=len(ids) + 5, temperature=0))
+        seq = eng.add(prompt, sequence.SamplingParams(max_gen_len=len(ids) + 5, temperature=0))
         pieces = stream(eng, seq)
         assert seq.tokens == ids and seq.finish_reason == "stop"
         assert "".join(pieces) == seq.text == "ok 😀🦙 done"

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import generate as G
+import sequence
 from engine import Engine
 
 MC = [  # (question, choices, gold)
@@ -82,7 +83,7 @@ def continuation_logprob(llama, context: str, continuation: str) -> float:
 
 def greedy_text(llama, prompt_tokens: list[int], stop: tuple[str, ...]) -> str:
     engine = Engine(llama.model, llama.tokenizer)
-    params = G.SamplingParams(max_gen_len=MAX_GEN, temperature=0, stop=stop)
+    params = sequence.SamplingParams(max_gen_len=MAX_GEN, temperature=0, stop=stop)
     return G.run_to_completion(engine, [prompt_tokens], [params])[0].text
 
 

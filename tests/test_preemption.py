@@ -9,7 +9,7 @@ import llama2
 from conftest import DEMO
 from engine import Engine
 from engine_worker import QUESTIONS, SYSTEM
-from generate import SamplingParams
+from sequence import SamplingParams
 
 MAX_SEQ_LEN = 64  # 4 blocks of 16 tokens a sequence: a pool of 4 blocks still takes any one
 

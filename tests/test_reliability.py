@@ -624,8 +624,9 @@ def test_limit_messages_per_dialog(limited):
 
 def test_limit_body_bytes(limited):
     n = LIMITS["max_body_bytes"]
-    body = {"prompt": "a", "max_new_tokens": 2, "stop": [""]}
-    body["stop"] = ["x" * (n - len(json.dumps(body)))]
+    body = {"prompt": "a", "max_new_tokens": 2, "stop": ["x"] * 8}  # 8 stop strings fill it (each at most 512)
+    fill = n - len(json.dumps(body))
+    body["stop"] = ["x" * (1 + fill // 8 + (i == 0) * (fill % 8)) for i in range(8)]
     assert len(json.dumps(body)) == n
     assert limited.post(body).status_code == 200
     body["stop"][0] += "x"

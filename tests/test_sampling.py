@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import generate as G
+import sampler
+import sequence
 from engine import Engine
 from test_generate import ScriptedModel
 
@@ -35,7 +37,7 @@ def penalize(logits, prompts, generated, settings):
     for row, (p, g) in enumerate(zip(prompts, generated)):
         seen[row, p + g] = True
     presence, frequency, repetition = torch.tensor(settings).T
-    return G.apply_penalties(logits, counts, seen, presence, frequency, repetition)
+    return sampler.apply_penalties(logits, counts, seen, presence, frequency, repetition)
 
 
 def test_penalties_worked_example():
@@ -63,10 +65,10 @@ def test_penalties_equal_the_definitions_row_by_row():
 def test_mask_and_top_k():
     logits = torch.tensor([[1.0, 5.0, 3.0, 3.0, -1.0], [0.0, 1.0, 2.0, 3.0, 4.0]])
     banned = torch.tensor([[False, True, False, False, False], [False, False, False, False, True]])
-    masked = G.mask_tokens(logits, banned)
+    masked = sampler.mask_tokens(logits, banned)
     assert masked[0, 1] == masked[1, 4] == float("-inf")
     assert torch.equal(masked[~banned], logits[~banned])
-    kept = G.top_k_filter(logits, torch.tensor([3, 0]))
+    kept = sampler.top_k_filter(logits, torch.tensor([3, 0]))
     assert kept[0].tolist() == [float("-inf"), 5.0, 3.0, 3.0, float("-inf")]  # ties at the k-th stay
     assert torch.equal(kept[1], logits[1])  # 0: no cut
 
@@ -87,7 +89,7 @@ def test_engine_applies_bias_and_penalties_to_the_raw_logits(demo_llama):
     raw = seq_logits(model, prompt, slot=3)[-1]
     favoured, disfavoured = raw.topk(5).indices[4].item(), raw.argmax().item()
     bias = {favoured: 1.5, disfavoured: -3.0}
-    params = G.SamplingParams(max_gen_len=12, temperature=0, presence_penalty=0.4, frequency_penalty=0.6,
+    params = sequence.SamplingParams(max_gen_len=12, temperature=0, presence_penalty=0.4, frequency_penalty=0.6,
                               repetition_penalty=1.3, logit_bias=bias, logprobs=True, top_logprobs=3)
     eng = Engine(model, tok)
     seq = eng.add(prompt, params)
@@ -118,7 +120,7 @@ def test_engine_logit_bias_alone_is_added(demo_llama):
     prompt = tok.encode("Once upon a time", bos=True, eos=False)
     target = tok.encode("zebra", bos=False, eos=False)[0]
     eng = Engine(model, tok)
-    seq = eng.add(prompt, G.SamplingParams(max_gen_len=3, temperature=0, logit_bias={target: 100.0}, logprobs=True))
+    seq = eng.add(prompt, sequence.SamplingParams(max_gen_len=3, temperature=0, logit_bias={target: 100.0}, logprobs=True))
     while not seq.done:
         eng.step()
     eng.release(seq)
@@ -133,7 +135,7 @@ def scripted(script: dict, fill: int, tok):
 
 
 def run(eng, prompt, **params):
-    seq = eng.add(prompt, G.SamplingParams(temperature=0, **({"max_gen_len": 8} | params)))
+    seq = eng.add(prompt, sequence.SamplingParams(temperature=0, **({"max_gen_len": 8} | params)))
     while not seq.done:
         eng.step()
     eng.release(seq)
@@ -182,7 +184,7 @@ def test_max_gen_len_zero_scores_the_prompt(demo_llama):
     model, tok = demo_llama.model, demo_llama.tokenizer
     prompt = tok.encode("Once upon a time", bos=True, eos=False)
     eng = Engine(model, tok)
-    seq = eng.add(prompt, G.SamplingParams(max_gen_len=0, echo=True, logprobs=True, top_logprobs=2))
+    seq = eng.add(prompt, sequence.SamplingParams(max_gen_len=0, echo=True, logprobs=True, top_logprobs=2))
     eng.step()  # the prefill
     assert seq.done and seq.tokens == [] and seq.finish_reason == "length"
     logprobs = F.log_softmax(seq_logits(model, prompt, slot=3)[:-1], dim=-1)
@@ -190,7 +192,7 @@ def test_max_gen_len_zero_scores_the_prompt(demo_llama):
                                                     .tolist(), abs=1e-4)
     assert [[t for t, _ in top] for top in seq.prompt_top_logprobs[1:]] == logprobs.topk(2).indices.tolist()
     with pytest.raises(ValueError, match="0 only with echo"):
-        eng.add(prompt, G.SamplingParams(max_gen_len=0))
+        eng.add(prompt, sequence.SamplingParams(max_gen_len=0))
 
 
 def test_sample_rows_are_independent(demo_llama):
@@ -198,13 +200,13 @@ def test_sample_rows_are_independent(demo_llama):
     argmax."""
     torch.manual_seed(1)
     logits = torch.randn(3, 50)
-    seqs = [G.Sequence([1], G.SamplingParams(1, temperature=1.0, top_p=0.9, top_k=20, seed=s), 0,
+    seqs = [sequence.Sequence([1], sequence.SamplingParams(1, temperature=1.0, top_p=0.9, top_k=20, seed=s), 0,
                        torch.Generator().manual_seed(s)) for s in (5, 6)]
-    greedy = G.Sequence([1], G.SamplingParams(1, temperature=0), 0, None)
-    together = G.sample(logits, [seqs[0], greedy, seqs[1]])
+    greedy = sequence.Sequence([1], sequence.SamplingParams(1, temperature=0), 0, None)
+    together = sampler.sample(logits, [seqs[0], greedy, seqs[1]])
     for s in seqs:
         s.generator.manual_seed(s.params.seed)
-    alone = [G.sample(logits[i:i + 1], [s])[0] for i, s in ((0, seqs[0]), (2, seqs[1]))]
+    alone = [sampler.sample(logits[i:i + 1], [s])[0] for i, s in ((0, seqs[0]), (2, seqs[1]))]
     assert together[1] == logits[1].argmax()
     assert [together[0], together[2]] == alone
 
@@ -218,8 +220,8 @@ def test_seed_api_takes_a_llama(demo_llama):
         G.generate(demo_llama.model, prompts, 6)
 
 
-def seeded(seed: int, top_p: float = 1.0, temperature: float = 1.0) -> G.Sequence:
-    return G.Sequence([1], G.SamplingParams(1, temperature=temperature, top_p=top_p, seed=seed), 0,
+def seeded(seed: int, top_p: float = 1.0, temperature: float = 1.0) -> sequence.Sequence:
+    return sequence.Sequence([1], sequence.SamplingParams(1, temperature=temperature, top_p=top_p, seed=seed), 0,
                       torch.Generator().manual_seed(seed))
 
 
@@ -230,7 +232,7 @@ def test_sample_frequencies_follow_the_top_p_set():
     logits = probs.log()[None]
     # top_p 0.5: 0.4, then one of the two 0.2s would reach it; both are in, 0.8 of the mass
     n = 6000
-    counts = torch.bincount(torch.stack([G.sample(logits, [seeded(s, top_p=0.5)])[0] for s in range(n)]),
+    counts = torch.bincount(torch.stack([sampler.sample(logits, [seeded(s, top_p=0.5)])[0] for s in range(n)]),
                             minlength=6)
     assert counts[3:].sum() == 0
     share = counts[:3].double() / n
@@ -248,7 +250,7 @@ def test_seeded_draws_ignore_how_ties_sort():
     logits = torch.zeros(1, vocab)
     logits[0, :4] = 1.0
     ulp = torch.arange(vocab) % 2 * 1e-6
-    picks = {sign: [int(G.sample(logits + sign * ulp, [seeded(s, top_p=0.9)])[0]) for s in range(100)]
+    picks = {sign: [int(sampler.sample(logits + sign * ulp, [seeded(s, top_p=0.9)])[0]) for s in range(100)]
              for sign in (1, -1)}
     assert picks[1] == picks[-1]
     assert len(set(picks[1])) > 20  # the draws do spread over the tied tokens

@@ -1,0 +1,19 @@
+"""One forward pass's work as the engine hands it to the model: which tokens, at which
+positions, into which KV-cache slots, and which blocks each sequence attends over."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Batch:
+    """One forward pass over sequences whose keys and values live in the paged KV cache.
+    The first n_decode tokens each take one sequence one token further; after them come
+    prefill chunks, each a run of consecutive tokens of one sequence. Plain lists: the
+    engine builds them, Transformer.forward_batch turns them into tensors."""
+    tokens: list[int]
+    positions: list[int]
+    slots: list[int]  # where each token's keys and values go: block * block_size + offset
+    n_decode: int = 0
+    decode_blocks: list[list[int]] = field(default_factory=list)  # each decoding sequence's block table
+    chunks: list[tuple[int, list[int]]] = field(default_factory=list)  # (tokens, block table) per chunk
+    logits_at: list[int] | None = None  # the tokens whose logits are wanted; None: all

@@ -1,0 +1,148 @@
+"""A sequence's sampling settings (SamplingParams) and its state as the engine builds it
+up (Sequence): its tokens and logprobs, its text, stop strings, its KV-cache blocks."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kv_cache import BlockTable
+from tokenizer import TextStream
+
+
+@dataclass
+class SamplingParams:
+    max_gen_len: int
+    temperature: float = 0.6
+    top_p: float = 0.9
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: also this many most probable tokens at each position
+    echo: bool = False  # with logprobs: the prompt's too
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0  # OpenAI's, on generated tokens
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's, on prompt and generated tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id: added to its logit
+    min_tokens: int = 0  # no stop id, and no stop string, ends the generation before this many tokens
+    stop_token_ids: tuple[int, ...] = ()  # more ids that end the generation
+    ignore_eos: bool = False  # the tokenizer's stop ids do not end it (stop_token_ids still do)
+    # True: the text continues the prompt (text completion: prompt + text is what prompt and
+    # new tokens decode to). False: the text is what the new tokens decode to on their own
+    # (a chat message, as Meta's reference decodes an answer: no space left over from the layout).
+    continue_prompt: bool = True
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One prompt's generation: its tokens so far, its text, and when it stopped; the
+    engine keeps its KV-cache blocks (table) and how many of its tokens are cached."""
+    prompt_tokens: list[int]
+    params: SamplingParams
+    id: int  # in the order sequences were added
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    stop_token: int | None = None  # the stop id that ended it (not in tokens)
+    # with params.logprobs, one entry per sampled token (tokens, then stop_token): its
+    # logprob, the most probable tokens [(id, logprob), ...] and where its text starts in text
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list] = field(default_factory=list)
+    text_offsets: list[int] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)  # with echo: 0.0 for the first token
+    prompt_top_logprobs: list[list] = field(default_factory=list)
+    stream: TextStream | None = None  # turns tokens into text (set by Engine.add)
+    text: str = ""  # the generation's text so far, cut before a stop string
+    finish_reason: str | None = None
+    emitted: int = 0  # characters of text already handed out by new_text()
+    stop_ends: "StopEnds | None" = None  # how much of each stop string text ends in
+    # sampling state (set by Engine.add): the ids that end it, and (vocab,) tensors where
+    # its settings need them: logit_bias, generated-token counts and tokens seen for penalties
+    stop_ids: frozenset = frozenset()
+    bias: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+    seen: torch.Tensor | None = None
+    table: BlockTable | None = None  # set by the engine's scheduler
+    cached: int = 0  # tokens whose keys and values are in the cache
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.params.logprobs and self.params.echo
+
+    @property
+    def sampled(self) -> list[int]:
+        """Every sampled token: tokens, then the stop id that ended it (what vLLM returns)."""
+        return self.tokens + ([] if self.stop_token is None else [self.stop_token])
+
+    def add_text(self, piece: str):
+        """Append decoded text; a stop string in it ends the generation, cut before it.
+        Only the text a stop string could end in is searched, and none before min_tokens."""
+        if not piece or self.finish_reason == "stop":
+            return
+        if self.params.stop:
+            if self.stop_ends is None:
+                self.stop_ends = StopEnds(self.params.stop)
+            self.stop_ends.feed(piece)
+        if len(self.tokens) < self.params.min_tokens:
+            self.text += piece
+            return
+        longest = max(map(len, self.params.stop), default=0)
+        start = max(0, len(self.text) - longest + 1)
+        self.text += piece
+        cut = min((i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]
+            self.finish_reason = "stop"
+
+    def new_text(self) -> str:
+        """Text produced since the last call. While running, holds back what could still
+        turn out to be the start of a stop string."""
+        end = len(self.text)
+        if not self.done and self.stop_ends is not None:
+            end -= self.stop_ends.held_back()
+        piece = self.text[self.emitted:end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return piece
+
+
+class StopEnds:
+    """For each stop string, the longest of its prefixes that the text so far ends in,
+    fed the text piece by piece (Knuth-Morris-Pratt): each piece costs its length times
+    the number of stop strings, however long the text and the stop strings."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.borders = [prefix_function(stop) for stop in stops]
+        self.ends = [0] * len(stops)
+        self.longest = max(map(len, stops))
+
+    def feed(self, piece: str):
+        for i, (stop, border) in enumerate(zip(self.stops, self.borders)):
+            q = self.ends[i]
+            for c in piece:
+                if q == len(stop):  # a whole match (before min_tokens): go on from its border
+                    q = border[q - 1]
+                while q and stop[q] != c:
+                    q = border[q - 1]
+                if stop[q] == c:
+                    q += 1
+            self.ends[i] = q
+
+    def held_back(self) -> int:
+        """How many characters at the end of the text could be the start of a stop string
+        (at most the longest one's length less one)."""
+        return max(q if q < self.longest else border[q - 1] for q, border in zip(self.ends, self.borders))
+
+
+def prefix_function(s: str) -> list[int]:
+    """border[i]: the length of the longest proper prefix of s[:i + 1] that is also its suffix."""
+    border = [0] * len(s)
+    for i in range(1, len(s)):
+        q = border[i - 1]
+        while q and s[q] != s[i]:
+            q = border[q - 1]
+        border[i] = q + (s[q] == s[i])
+    return border
