@@ -38,32 +38,19 @@ import api
 import chat_format
 import collectives
 import openai_api
-import quant
-from api import Defaults, InjectedFault, Job, Limits, RequestError
-from engine import Engine, overlap_by_default
+from api import InjectedFault, Job, RequestError
+from engine import Engine
 from llama2 import tp_llama
-from scheduler import default_token_budget
+from serving_config import Machine, ServingConfig
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # url_path (what follows /predictions/<model>/<version>/) -> API
 ROUTES = {"": "native", "v1/completions": "completions", "v1/chat/completions": "chat", "v1/models": "models",
           "tokenizer_info": "tokenizer_info", "tokenize": "tokenize", "detokenize": "detokenize"}
 AT_ONCE = {"models", "tokenizer_info", "tokenize", "detokenize"}  # answered without decoding
-# Steps in turn with TorchServe's round trip (5-8 ms here): an iteration runs at least 4 steps,
-# more if they fit in 200 ms (at most 16), so that the round trip and the slower first step
-# after it cost little; a request that arrives meanwhile waits that long to start, and a
-# stream comes in chunks that far apart (BENCHMARKS.md, serving engine: fewer steps for slow
-# models measured slower; 100 ms left a single stream at 0.89-0.95 of the in-process engine).
-IN_TURN_SECONDS, IN_TURN_STEPS = 0.2, (4, 16)
 JSON = "application/json"
 
-
-# What a model-config.yaml that leaves a handler key out gets (README: Configuration). The
-# tokenizer defaults to <checkpoint>/tokenizer.model; limits and defaults to api's dataclasses.
-SETTINGS = {"checkpoint": "weights", "max_seq_len": 512, "dtype": "auto", "compile": False, "kv_cache_bytes": 0,
-            "max_batched_tokens": "auto", "overlap": "auto", "steps_per_iteration": "auto", "prefix_caching": True, "quantization": "none"}
 # Tests only: with LLAMA_TEST_FAULTS=1 in the workers' environment, a request whose prompt holds
 # FAULT.format(where) raises there, so that a test can show what a bug costs: in preprocess,
 # in formatting its answer ("answer"), or in a decode step once it has FAULT_AFTER tokens
@@ -89,76 +76,35 @@ class LlamaHandler(BaseHandler):
         self.initialized = True
 
     def load(self, ctx):
-        config = ctx.model_yaml_config
-        if not config.get("continuousBatching"):
-            raise ValueError("model-config.yaml must set continuousBatching: true (this handler batches "
-                             "requests step by step)")
-        settings = SETTINGS | dict(config.get("handler") or {})
+        config = ServingConfig.from_model_config(ctx.model_yaml_config)  # what make serve checked
         model_dir = ctx.system_properties["model_dir"]
-        checkpoint = os.path.join(model_dir, settings.pop("checkpoint"))
-        # a tokenizer file, or a folder with tokenizer.json or tokenizer.model: by default the checkpoint's
-        tokenizer = os.path.join(model_dir, settings.pop("tokenizer", checkpoint))
-        self.max_seq_len = int(settings.pop("max_seq_len"))
-        dtype = settings.pop("dtype")
-        compile_decode = settings.pop("compile")
-        kv_cache_bytes = int(settings.pop("kv_cache_bytes"))
-        max_batched_tokens = settings.pop("max_batched_tokens")
-        overlap = settings.pop("overlap")
-        steps_per_iteration = settings.pop("steps_per_iteration")
-        prefix_caching = settings.pop("prefix_caching")
-        quantization = settings.pop("quantization")
-        self.limits = api.dataclass_from(Limits, settings.pop("limits", None), "handler.limits")
-        self.defaults = api.dataclass_from(Defaults, settings.pop("defaults", None), "handler.defaults")
-        if settings:
-            raise ValueError(f"unknown keys in the handler section of model-config.yaml: {sorted(settings)}")
-        for name, value in (("compile", compile_decode), ("prefix_caching", prefix_caching)):
-            if not isinstance(value, bool):
-                raise ValueError(f"handler.{name} must be true or false, got {value!r}")
-        if dtype != "auto" and dtype not in DTYPES:
-            raise ValueError(f"handler.dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
-        if max_batched_tokens != "auto" and (type(max_batched_tokens) is not int or max_batched_tokens < 0):
-            raise ValueError(f"handler.max_batched_tokens must be auto or a whole number >= 0, got {max_batched_tokens!r}")
-        if overlap not in ("auto", True, False):
-            raise ValueError(f"handler.overlap must be auto, true or false, got {overlap!r}")
-        if steps_per_iteration != "auto" and (type(steps_per_iteration) is not int or steps_per_iteration < 1):
-            raise ValueError(f"handler.steps_per_iteration must be auto or a whole number >= 1, got {steps_per_iteration!r}")
-        if quantization not in ("none", *quant.MODES):
-            raise ValueError(f"handler.quantization must be none, {' or '.join(quant.MODES)}, got {quantization!r}")
-
+        checkpoint = os.path.join(model_dir, config.checkpoint)
+        tokenizer = os.path.join(model_dir, config.tokenizer or config.checkpoint)
+        self.max_seq_len, self.limits, self.defaults = config.max_seq_len, config.limits, config.defaults
         slots = int(ctx.system_properties.get("batch_size") or 1)  # batchSize: sequences decoded together
         start = time.perf_counter()
-        llama = tp_llama(None, checkpoint, tokenizer, self.world_size, dtype=DTYPES.get(dtype),
-                         max_batch_size=slots, max_seq_len=self.max_seq_len, kv_cache_bytes=kv_cache_bytes,
-                         progress=self.progress, quantization=None if quantization == "none" else quantization)
+        llama = tp_llama(None, checkpoint, tokenizer, self.world_size, dtype=config.torch_dtype,
+                         max_batch_size=slots, max_seq_len=self.max_seq_len, kv_cache_bytes=config.kv_cache_bytes,
+                         progress=self.progress, quantization=config.quantization_mode)
         logger.info("loaded %s on %d rank(s) in %.1f s: %s", checkpoint, self.world_size,
                     time.perf_counter() - start, llama.model.params)
         logger.info("tokenizer %s (%s), chat format %s", llama.tokenizer.path, type(llama.tokenizer).__name__,
                     chat_format.format_name(llama.tokenizer))
         model = llama.model
-        on_gpu = model.tok_embeddings.weight.is_cuda
-        if max_batched_tokens == "auto":
-            max_batched_tokens = default_token_budget(slots, on_gpu)
-        if overlap == "auto":  # the threads of this machine's ranks against its cores
-            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-            overlap = overlap_by_default(on_gpu, len(os.sched_getaffinity(0)), ranks_here * torch.get_num_threads())
-        steps = (steps_per_iteration, steps_per_iteration, 0.0)  # (at least, at most, seconds)
-        if steps_per_iteration == "auto":  # overlapped steps hide the round trip; in turn, 4+ amortize it
-            steps = (1, 1, 0.0) if overlap else (*IN_TURN_STEPS, IN_TURN_SECONDS)
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MB on this rank), prefix caching %s, "
-                    "%s tokens per step, %s per iteration%s", model.num_blocks, model.block_size,
-                    model.num_blocks * model.kv_block_bytes() / 1e6, "on" if prefix_caching else "off",
-                    max_batched_tokens or "unlimited",
-                    f"{steps[0]} to {steps[1]} steps (those that fit in {steps[2] * 1000:.0f} ms)" if steps[2]
-                    else f"{steps[0]} step(s)", ", overlapping TorchServe's round trip" if overlap else "")
-        engine = Engine(model, llama.tokenizer, slots, max_batched_tokens, prefix_caching, threaded=overlap)
-        if compile_decode:  # on the thread that will run the steps
+        run = config.resolve(Machine.here(model.tok_embeddings.weight.is_cuda, slots, self.world_size))
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MB on this rank), prefix caching %s, %s",
+                    model.num_blocks, model.block_size, model.num_blocks * model.kv_block_bytes() / 1e6,
+                    "on" if config.prefix_caching else "off", run)
+        engine = Engine(model, llama.tokenizer, slots, run.max_batched_tokens, config.prefix_caching,
+                        threaded=run.overlap)
+        if config.compile:  # on the thread that will run the steps
             start = time.perf_counter()
             engine.start(model.compile_decode)
             engine.wait()
             self.progress("compiled the decode step", seconds=round(time.perf_counter() - start, 1))
         else:
             self.progress("not compiled (handler.compile: false)")
-        self.use_engine(engine, steps, overlap)
+        self.use_engine(engine, run.steps_per_iteration, run.overlap)
         self.limits.max_prompts = min(self.limits.max_prompts, slots)
         self.rank0 = self.rank == 0
         self.model_name = ctx.model_name

@@ -12,8 +12,8 @@ import pytest
 import generate as G
 import llama2
 from conftest import SERVER_SLOTS, decoded_after_leaving
-from handler import IN_TURN_STEPS
 from local_server import start_server
+from serving_config import IN_TURN_STEPS
 
 N_NEW = 16
 PROMPTS = ["The secret of a happy life is", "Größe  und 😀 emoji:", "Once upon a time\n"]

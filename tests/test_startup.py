@@ -4,6 +4,7 @@ starts (tools/configure.py) or, for what only loading finds, as soon as a worker
 (tools/wait_ready.py), leaving no TorchServe behind; loading shows each rank's stages; and the
 configuration keys do what README.md says, left out or set."""
 
+import dataclasses
 import json
 import os
 import re
@@ -22,9 +23,18 @@ import configure
 import wait_ready
 from conftest import DEMO, ROOT
 from local_server import Server, free_port
+from serving_config import ServingConfig
 from tokenizer import Tokenizer
 
 DEMO_VOCAB = 4096  # demo/params.json
+
+# settings the handler refuses (serving_config): make serve's SET, and the refusal's words
+BAD_SETTINGS = {
+    "overlap maybe": ("handler.overlap=maybe", ["handler.overlap must be auto, true or false, got 'maybe'"]),
+    "unknown key": ("handler.overlapp=true", ["unknown keys in the handler section of model-config.yaml: "
+                                              "handler.overlapp (the keys are checkpoint,"]),
+    "wrong type": ("handler.max_seq_len=abc", ["handler.max_seq_len must be a whole number >= 1, got 'abc'"]),
+}
 
 
 def base_config() -> dict:
@@ -166,6 +176,15 @@ def test_check_refuses_a_tokenizer_of_another_vocabulary(tmp_path, small_tokeniz
     assert f"{DEMO_VOCAB} tokens" in message and "1000" in message
 
 
+@pytest.mark.parametrize("case", BAD_SETTINGS)
+def test_check_refuses_a_setting_the_handler_refuses(case):
+    setting, words = BAD_SETTINGS[case]
+    config = configure.configure(base_config(), device="cpu")
+    configure.set_key(config, setting)
+    message = refusal(config, DEMO)
+    assert all(w in message for w in words), message
+
+
 # --- 2. `make serve` on private ports: refusals, a worker that fails, progress ---------------------
 
 def no_torchserve_left(server: Server) -> bool:
@@ -181,14 +200,19 @@ def no_torchserve_left(server: Server) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["missing folder", "TP=3", "truncated weights", "tokenizer of another vocabulary"])
+@pytest.mark.parametrize("case", ["missing folder", "TP=3", "truncated weights", "tokenizer of another vocabulary",
+                                  *BAD_SETTINGS])
 def test_make_serve_refuses_in_seconds(tmp_path, small_tokenizer, case):
     server = Server(str(tmp_path / "ts"), tp=3 if case == "TP=3" else 2)
-    if case == "missing folder":
+    variables, settings = [], ()
+    if case in BAD_SETTINGS:
+        setting, words = BAD_SETTINGS[case]
+        settings = (setting,)
+    elif case == "missing folder":
         missing = f"{tmp_path}/does-not-exist"
         variables, words = [f"CKPT={missing}"], [f"checkpoint folder not found: {missing}"]
     elif case == "TP=3":
-        variables, words = [], ["TP=3", "8 heads", "cannot be split over 3 ranks"]
+        words = ["TP=3", "8 heads", "cannot be split over 3 ranks"]
     elif case == "truncated weights":
         folder = demo_copy(tmp_path / "ckpt", truncated=True)
         variables, words = [f"CKPT={folder}"], [f"{folder}/consolidated.00.pth is truncated"]
@@ -196,7 +220,7 @@ def test_make_serve_refuses_in_seconds(tmp_path, small_tokenizer, case):
         folder = demo_copy(tmp_path / "ckpt")
         variables, words = [f"CKPT={folder}", f"TOKENIZER={small_tokenizer}"], ["300 tokens", f"{DEMO_VOCAB}"]
     try:
-        status, output, _ = server.make_serve(*variables, timeout=120)
+        status, output, _ = server.make_serve(*variables, settings=settings, timeout=120)
         assert status != 0, (status, output[-2000:])
         refusal = [line for line in output.splitlines() if line.startswith("cannot serve: ")]
         assert refusal and all(w in refusal[0] for w in words), output[-2000:]
@@ -356,11 +380,12 @@ def readme_config_table() -> dict[str, str]:
 
 
 def test_readme_and_model_config_state_the_handlers_defaults():
-    import handler
-
     table = readme_config_table()
     shipped = base_config()["handler"]
-    for key, value in handler.SETTINGS.items():
+    defaults = {f.name: f.default for f in dataclasses.fields(ServingConfig)
+                if f.default not in (None, dataclasses.MISSING)}  # not the tokenizer, limits and defaults
+    assert set(defaults) == set(shipped) - {"tokenizer", "limits", "defaults"}
+    for key, value in defaults.items():
         assert table[key].strip("`") == (str(value).lower() if isinstance(value, bool) else str(value)), key
         assert shipped[key] == value, key
 

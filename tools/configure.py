@@ -21,6 +21,7 @@ sys.path.insert(0, ROOT)
 import chat_format  # noqa: E402
 import checkpoint  # noqa: E402
 import llama2  # noqa: E402
+from serving_config import ServingConfig  # noqa: E402
 from tokenizer import Tokenizer, tokenizer_file  # noqa: E402
 
 # Beyond the tokenizer's vocabulary, a checkpoint's embedding may hold this many padding rows
@@ -73,20 +74,20 @@ def on_disk(path: str, weights: str | None) -> str | None:
 
 def check(config: dict, weights: str | None = None) -> str:
     """What was checked, in one line; or a ValueError naming the first problem that would make
-    every rank fail to load: a checkpoint folder that is missing, in neither layout, incomplete
-    or with a file cut short, an index that names files by path (outside the folder), a
-    safetensors header whose tensors lie outside their file; a missing tokenizer or one whose
-    vocabulary does not fit the model, or a chat template that fails on a sample dialog; a TP
-    size that does not divide the model's heads, KV heads or FFN width (or more ranks than
-    GPUs); a max_seq_len beyond the positions the model was made for. Reads the checkpoint's
-    JSON files and file headers, no weights."""
-    handler, tp = config["handler"], int(config["torchrun"]["nproc-per-node"])
-    configured = handler.get("checkpoint", "weights")  # the handler's default
-    folder = on_disk(configured, weights)
+    every rank fail to load: a setting the handler refuses (serving_config: an unknown key, a
+    value of the wrong type or out of range); a checkpoint folder that is missing, in neither
+    layout, incomplete or with a file cut short, an index that names files by path (outside
+    the folder), a safetensors header whose tensors lie outside their file; a missing
+    tokenizer or one whose vocabulary does not fit the model, or a chat template that fails on
+    a sample dialog; a TP size that does not divide the model's heads, KV heads or FFN width
+    (or more ranks than GPUs); a max_seq_len beyond the positions the model was made for.
+    Reads the checkpoint's JSON files and file headers, no weights."""
+    settings, tp = ServingConfig.from_model_config(config), int(config["torchrun"]["nproc-per-node"])
+    folder = on_disk(settings.checkpoint, weights)
     if folder is None:
-        return f"not checked: {configured} is inside the archive (give --weights)"
+        return f"not checked: {settings.checkpoint} is inside the archive (give --weights)"
     args, positions = checkpoint.inspect(folder)
-    tokenizer_path = on_disk(handler.get("tokenizer") or configured, weights)
+    tokenizer_path = on_disk(settings.tokenizer or settings.checkpoint, weights)
     try:
         tokenizer_path = tokenizer_file(tokenizer_path)  # a folder's tokenizer.json or tokenizer.model
     except FileNotFoundError as e:
@@ -115,8 +116,8 @@ def check(config: dict, weights: str | None = None) -> str:
     if model.ffn_hidden_dim % tp:
         raise ValueError(f"TP={tp} does not fit the model in {folder}: its FFN width {model.ffn_hidden_dim} "
                          f"cannot be split over {tp} ranks")
-    max_seq_len = handler.get("max_seq_len")
-    if positions and max_seq_len and max_seq_len > positions:
+    max_seq_len = settings.max_seq_len
+    if positions and max_seq_len > positions:
         raise ValueError(f"handler.max_seq_len {max_seq_len} is beyond the {positions} positions the model "
                          f"in {folder} was made for (config.json max_position_embeddings)")
     if config.get("deviceType") == "gpu" and torch.cuda.device_count() < tp:

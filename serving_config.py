@@ -1,0 +1,185 @@
+"""The handler's configuration, read one way: model-config.yaml's handler section into a
+ServingConfig, each setting checked when it is made, so that a bad one is refused with its
+key (handler.overlap must be auto, true or false, got 'maybe'). tools/configure.py reads it
+before TorchServe starts, so that `make serve` refuses in seconds, and the handler again
+when each worker loads. The `auto` settings depend on the machine a worker runs on:
+resolve() decides them from its facts (Machine)."""
+
+import math
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Literal
+
+import torch
+
+import quant
+from api import Defaults, Limits, dataclass_from
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTO = "auto"
+Auto = Literal["auto"]
+# Steps in turn with TorchServe's round trip (5-8 ms here): an iteration runs at least 4 steps,
+# more if they fit in 200 ms (at most 16), so that the round trip and the slower first step
+# after it cost little; a request that arrives meanwhile waits that long to start, and a
+# stream comes in chunks that far apart (BENCHMARKS.md, serving engine: fewer steps for slow
+# models measured slower; 100 ms left a single stream at 0.89-0.95 of the in-process engine).
+IN_TURN_SECONDS, IN_TURN_STEPS = 0.2, (4, 16)
+
+
+def whole(value, least: int) -> bool:
+    return type(value) is int and value >= least  # YAML's true is a bool, not a number here
+
+
+def number(value) -> bool:
+    return type(value) in (int, float) and 0 <= value < math.inf
+
+
+def flag(value) -> bool:
+    return type(value) is bool
+
+
+def a_path(value) -> bool:
+    return isinstance(value, str) and value != ""
+
+
+def one_of(*choices: str) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, str) and value in choices
+
+
+def setting(default, must: str, ok: Callable[[Any], bool]):
+    """A handler setting: its default (README: Configuration), what a value must be (as the
+    refusal says it) and the test of a value."""
+    return field(default=default, metadata={"must": must, "ok": ok})
+
+
+# What a number in handler.limits and handler.defaults must be, by the field's type.
+SECTION_RULES = {int: ("a whole number >= 0", lambda value: whole(value, 0)), float: ("a number >= 0", number)}
+
+
+@dataclass
+class ServingConfig:
+    """model-config.yaml's handler section; a setting it leaves out gets the default here."""
+    checkpoint: str = setting("weights", "a path", a_path)  # relative to the archive, or absolute
+    # a tokenizer file, or a folder with tokenizer.json or tokenizer.model; None: the checkpoint's
+    tokenizer: str | None = setting(None, "a path", lambda value: value is None or a_path(value))
+    max_seq_len: int = setting(512, "a whole number >= 1", lambda value: whole(value, 1))
+    dtype: str = setting(AUTO, f"auto or one of {sorted(DTYPES)}", one_of(AUTO, *DTYPES))
+    compile: bool = setting(False, "true or false", flag)
+    kv_cache_bytes: int = setting(0, "a whole number >= 0", lambda value: whole(value, 0))
+    max_batched_tokens: Auto | int = setting(AUTO, "auto or a whole number >= 0",
+                                             lambda value: value == AUTO or whole(value, 0))
+    overlap: Auto | bool = setting(AUTO, "auto, true or false", lambda value: value == AUTO or flag(value))
+    steps_per_iteration: Auto | int = setting(AUTO, "auto or a whole number >= 1",
+                                              lambda value: value == AUTO or whole(value, 1))
+    prefix_caching: bool = setting(True, "true or false", flag)
+    quantization: str = setting("none", f"none, {' or '.join(quant.MODES)}", one_of("none", *quant.MODES))
+    limits: Limits = field(default_factory=Limits)
+    defaults: Defaults = field(default_factory=Defaults)
+
+    def __post_init__(self):
+        for f in fields(self):
+            if "must" in f.metadata:
+                refuse_unless(f"handler.{f.name}", getattr(self, f.name), f.metadata["must"], f.metadata["ok"])
+        for name in ("limits", "defaults"):
+            section = getattr(self, name)
+            for f in fields(section):
+                refuse_unless(f"handler.{name}.{f.name}", getattr(section, f.name), *SECTION_RULES[f.type])
+
+    @classmethod
+    def from_model_config(cls, config: dict) -> "ServingConfig":
+        """The handler's settings in a model-config.yaml as yaml.safe_load reads it; a
+        ValueError names the first setting the handler cannot serve with."""
+        if config.get("continuousBatching") is not True:
+            raise ValueError("model-config.yaml must set continuousBatching: true (this handler batches "
+                             "requests step by step)")
+        refuse_unless("batchSize", config.get("batchSize", 1), "a whole number >= 1", lambda value: whole(value, 1))
+        handler = config.get("handler") or {}
+        refuse_unless("handler", handler, "a mapping of settings", lambda value: isinstance(value, dict))
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(str(key) for key in handler if key not in names)
+        if unknown:
+            raise ValueError(f"unknown keys in the handler section of model-config.yaml: "
+                             f"{', '.join('handler.' + key for key in unknown)} (the keys are {', '.join(names)})")
+        sections = {}
+        for name, section in (("limits", Limits), ("defaults", Defaults)):
+            values = handler.get(name)
+            refuse_unless(f"handler.{name}", values, "a mapping of settings",
+                          lambda value: value is None or isinstance(value, dict))
+            sections[name] = dataclass_from(section, values, f"handler.{name}")
+        return cls(**handler | sections)
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """None for auto: the loader picks by device (bfloat16 on GPU, float32 on CPU)."""
+        return DTYPES.get(self.dtype)
+
+    @property
+    def quantization_mode(self) -> str | None:
+        return None if self.quantization == "none" else self.quantization
+
+    def resolve(self, machine: "Machine") -> "Resolved":
+        """The settings that may be auto, decided for machine."""
+        overlap = self.overlap
+        if overlap == AUTO:
+            overlap = overlap_by_default(machine.on_gpu, machine.cores, machine.threads_in_use)
+        budget = self.max_batched_tokens
+        if budget == AUTO:
+            budget = default_token_budget(machine.slots, machine.on_gpu)
+        steps = (self.steps_per_iteration, self.steps_per_iteration, 0.0)
+        if self.steps_per_iteration == AUTO:  # overlapped steps hide the round trip; in turn, 4+ amortize it
+            steps = (1, 1, 0.0) if overlap else (*IN_TURN_STEPS, IN_TURN_SECONDS)
+        return Resolved(budget, overlap, steps)
+
+
+def refuse_unless(key: str, value, must: str, ok: Callable[[Any], bool]):
+    if not ok(value):
+        raise ValueError(f"{key} must be {must}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the auto settings depend on."""
+    on_gpu: bool  # the model's weights are on a GPU
+    cores: int  # the CPU cores this rank may run on
+    threads_in_use: int  # the compute threads of the ranks on this machine
+    slots: int  # batchSize: the most sequences decoded together
+
+    @classmethod
+    def here(cls, on_gpu: bool, slots: int, world_size: int) -> "Machine":
+        """This rank's machine: its cores, and torch's threads on each of the machine's ranks."""
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        return cls(on_gpu, len(os.sched_getaffinity(0)), ranks_here * torch.get_num_threads(), slots)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The auto settings decided (ServingConfig.resolve)."""
+    max_batched_tokens: int  # 0: no limit
+    overlap: bool
+    steps_per_iteration: tuple[int, int, float]  # (at least, at most, seconds that decide between: Engine.run)
+
+    def __str__(self):
+        least, most, seconds = self.steps_per_iteration
+        steps = (f"{least} to {most} steps (those that fit in {seconds * 1000:.0f} ms)" if seconds
+                 else f"{least} step(s)")
+        round_trip = ", overlapping TorchServe's round trip" if self.overlap else ""
+        return f"{self.max_batched_tokens or 'unlimited'} tokens per step, {steps} per iteration{round_trip}"
+
+
+def overlap_by_default(on_gpu: bool, cores: int, threads_in_use: int) -> bool:
+    """Whether a server should run the steps on the engine's thread while it does its own
+    work (handler.overlap auto): on a GPU, whose steps leave the CPU free, and on a CPU with
+    a core that the ranks' threads leave over. Where every core computes, the server's work
+    takes cores from ranks that the others then wait for: measured slower than steps in
+    turn with the server's (BENCHMARKS.md, serving engine)."""
+    return on_gpu or cores > threads_in_use
+
+
+def default_token_budget(max_seqs: int, on_gpu: bool) -> int:
+    """The tokens a step computes unless configured: a step's prefill chunk should cost no
+    more than about two decode steps, so that running streams stay smooth while a long
+    prompt is prefilled (BENCHMARKS.md, serving engine: on CPU a 64-token chunk made a step
+    of 8 decodes 2.6x longer, 512 tokens 6.2x). A GPU computes hundreds of tokens in the
+    time it reads the weights once (vLLM's chunked-prefill default was 512). At least one
+    token for every sequence, so that each decodes every step."""
+    return max(512 if on_gpu else 64, max_seqs)
