@@ -6,6 +6,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import chat_format
 import generate
@@ -16,11 +17,6 @@ class RequestError(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
         self.message, self.param, self.status = message, param, status
-
-
-class InjectedFault(BaseException):
-    """The handler's test faults (handler.FAULT; a class of their own here: TorchServe wants
-    one class in handler.py). Not an Exception, as a tokenizer's Rust panic is not."""
 
 
 @dataclass
@@ -372,7 +368,34 @@ def sequences(req: Request, tokenizer, max_seq_len: int, limits: Limits,
     return out
 
 
-# --- native answers: the same functions as openai_api's, for the handler ---------------
+# --- answers: what the handler asks of an API's format -----------------------------------
+
+class Message(NamedTuple):
+    """One message to a request: the whole answer ("once"), a streamed chunk with more to
+    come ("chunk"), or a stream's last one ("last")."""
+    body: str
+    status: int
+    content_type: str
+    kind: str
+
+
+@runtime_checkable
+class Format(Protocol):
+    """An API's answers, by module: this one (native) and openai_api implement it."""
+    STREAM_TYPE: str
+
+    def answer(self, req: Request, seqs: list[Sequence], tokenizer, meta: dict) -> dict | list: ...
+
+    def chunk(self, req: Request, meta: dict, index: int, text: str, first: bool) -> str: ...
+
+    def last_chunks(self, req: Request, seqs: list[Sequence], meta: dict, tokenizer) -> str: ...
+
+    def error(self, err: RequestError) -> dict: ...
+
+    def error_tail(self, err: RequestError) -> str: ...
+
+
+# --- native answers ---------------------------------------------------------------------
 
 STREAM_TYPE = "application/jsonl"  # one JSON object per line
 
@@ -409,3 +432,8 @@ def last_chunks(req: Request, seqs: list[Sequence], meta: dict, tokenizer) -> st
 def error(err: RequestError) -> dict:
     return {"code": err.status, "type": "invalid_request_error" if err.status < 500 else "server_error",
             "param": err.param, "message": err.message}
+
+
+def error_tail(err: RequestError) -> str:
+    """The end of a stream that fails after it began: a line with the error."""
+    return json.dumps(error(err)) + "\n"

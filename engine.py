@@ -260,15 +260,6 @@ class Engine:
             seq.text_offsets.append(offset)
 
 
-def overlap_by_default(on_gpu: bool, cores: int, threads_in_use: int) -> bool:
-    """Whether a server should run the steps on the engine's thread while it does its own
-    work (handler.overlap auto): on a GPU, whose steps leave the CPU free, and on a CPU with
-    a core that the ranks' threads leave over. Where every core computes, the server's work
-    takes cores from ranks that the others then wait for: measured slower than steps in
-    turn with the server's (BENCHMARKS.md, serving engine)."""
-    return on_gpu or cores > threads_in_use
-
-
 def use_device(device: torch.device):
     if device.type == "cuda":  # a new thread's current device is cuda:0
         torch.cuda.set_device(device)

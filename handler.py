@@ -38,7 +38,7 @@ import api
 import chat_format
 import collectives
 import openai_api
-from api import InjectedFault, Job, RequestError
+from api import Format, Job, Message, RequestError
 from engine import Engine
 from llama2 import tp_llama
 from serving_config import Machine, ServingConfig
@@ -51,16 +51,8 @@ ROUTES = {"": "native", "v1/completions": "completions", "v1/chat/completions": 
 AT_ONCE = {"models", "tokenizer_info", "tokenize", "detokenize"}  # answered without decoding
 JSON = "application/json"
 
-# Tests only: with LLAMA_TEST_FAULTS=1 in the workers' environment, a request whose prompt holds
-# FAULT.format(where) raises there, so that a test can show what a bug costs: in preprocess,
-# in formatting its answer ("answer"), or in a decode step once it has FAULT_AFTER tokens
-# (time for the test to queue others).
-FAULT = "[test fault: {}]"
-FAULT_AFTER = 32
-
 
 class LlamaHandler(BaseHandler):
-    test_faults = False
     leader = None  # with more than one rank: the group rank 0 sends its batches on
 
     def initialize(self, ctx):
@@ -109,7 +101,6 @@ class LlamaHandler(BaseHandler):
         self.rank0 = self.rank == 0
         self.model_name = ctx.model_name
         self.created = int(time.time())
-        self.test_faults = os.environ.get("LLAMA_TEST_FAULTS") == "1"
         # Bodies reach the handler as bytes, not as JSON TorchServe decoded leniently (NaN,
         # scalars): read_body checks every one against limits.max_body_bytes and parses it strictly.
         os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
@@ -185,7 +176,7 @@ class LlamaHandler(BaseHandler):
                                    "/v1/models, /tokenizer_info, /tokenize and /detokenize", "url", status=404)
             raw = data.get("body") if data.get("body") is not None else data.get("data")
             if route in AT_ONCE:
-                return json.dumps(self.answer_at_once(route, raw)), 200, JSON, "once"
+                return Message(json.dumps(self.answer_at_once(route, raw)), 200, JSON, "once")
             item["job"] = self.new_job(req_id, route, raw)
         except RequestError as e:
             return error_message(fmt, e)
@@ -229,7 +220,7 @@ class LlamaHandler(BaseHandler):
             job = self.jobs[item["id"]]
             message = self.guarded_message(job, item["id"])
             messages[idx] = job.http, message
-            if message is not None and message[3] != "chunk":  # the request's last message
+            if message is not None and message.kind != "chunk":  # the request's last message
                 self.record_metrics(job)
                 self.forget(item["id"])
         if self.rank0:
@@ -266,15 +257,10 @@ class LlamaHandler(BaseHandler):
         thread, when there is work."""
         if not self.engine.running:
             return
-        fault = self.test_faults and FAULT.format("decode") in json.dumps(
-            [j.request.inputs for j in self.jobs.values()
-             if any(not s.done and len(s.tokens) >= FAULT_AFTER for s in j.seqs)])
-        self.engine.start(self.run_steps, fault)
+        self.engine.start(self.run_steps)
 
-    def run_steps(self, fault: bool) -> tuple[int, float]:
+    def run_steps(self) -> tuple[int, float]:
         """The steps (on the engine's thread with overlap), and how long they took (ms)."""
-        if fault:
-            raise RuntimeError("injected fault in decode (LLAMA_TEST_FAULTS=1)")
         begin = time.perf_counter()
         least, most, seconds = self.steps_per_iteration
         steps = self.engine.run(most, seconds, least)
@@ -338,7 +324,6 @@ class LlamaHandler(BaseHandler):
             request = api.parse_native(body, self.limits, self.defaults)
         else:
             request = openai_api.parse(route, body, self.model_name, self.limits, self.defaults)
-        self.inject_fault("preprocess", request.inputs)
         prompts = api.sequences(request, self.tokenizer, self.max_seq_len, self.limits, self.defaults)
         for tokens, params in prompts:  # all checks before any sequence is queued
             try:
@@ -348,11 +333,6 @@ class LlamaHandler(BaseHandler):
         meta = {"id": f"{'chatcmpl' if request.chat else 'cmpl'}-{req_id}", "created": int(time.time()),
                 "model": self.model_name}
         return request, prompts, meta
-
-    def inject_fault(self, where: str, inputs: list):
-        """Tests only: raise when a prompt in inputs asks for a fault here (see FAULT)."""
-        if self.test_faults and FAULT.format(where) in json.dumps(inputs):
-            raise InjectedFault(f"injected fault in {where} (LLAMA_TEST_FAULTS=1)")
 
     def is_http(self, idx: int) -> bool:
         return any(k.lower() in ("url_path", "host") for k in self.context.get_all_request_header(idx))
@@ -384,24 +364,21 @@ class LlamaHandler(BaseHandler):
             job.error = RequestError(f"internal error: {type(e).__name__}: {e}", None, status=500)
             return self.message(job)
 
-    def message(self, job: Job):
-        """(body, status, content type, kind) for this iteration, or None; kind is "once"
-        (the whole answer), "chunk" (more to come) or "last"."""
+    def message(self, job: Job) -> Message | None:
+        """The request's message for this iteration, or None."""
         req = job.request
-        fmt = api if req.api == "native" else openai_api
+        fmt: Format = api if req.api == "native" else openai_api
         if job.error is not None:
             if not job.started:
                 return error_message(fmt, job.error)
-            tail = "" if fmt is api else "data: [DONE]\n\n"
-            return stream_line(fmt, fmt.error(job.error)) + tail, 200, fmt.STREAM_TYPE, "last"
+            return Message(fmt.error_tail(job.error), 200, fmt.STREAM_TYPE, "last")
         if not any(s.tokens or s.done for s in job.seqs):
             return None  # its prompts are waiting or being prefilled
         done = all(s.done for s in job.seqs)
         if not req.stream:
             if not done:
                 return None
-            self.inject_fault("answer", req.inputs)
-            return json.dumps(fmt.answer(req, job.seqs, self.tokenizer, job.meta)), 200, JSON, "once"
+            return Message(json.dumps(fmt.answer(req, job.seqs, self.tokenizer, job.meta)), 200, JSON, "once")
         if not job.http and not done:
             # TorchServe 0.12 drops a gRPC stream after its first message (GRPCJob.isOpen()
             # returns isCancelled()), so a gRPC stream goes out whole, in one message.
@@ -415,7 +392,7 @@ class LlamaHandler(BaseHandler):
         if not pieces:
             return None
         job.started = True
-        return "".join(pieces), 200, fmt.STREAM_TYPE, "last" if last else "chunk"
+        return Message("".join(pieces), 200, fmt.STREAM_TYPE, "last" if last else "chunk")
 
     def record_engine_metrics(self):
         metrics, engine = self.context.metrics, self.engine
@@ -459,9 +436,5 @@ def request_body(raw):
     return raw
 
 
-def stream_line(fmt, obj) -> str:
-    return openai_api.sse(obj) if fmt is openai_api else json.dumps(obj) + "\n"
-
-
-def error_message(fmt, err: RequestError):
-    return json.dumps(fmt.error(err)), err.status, JSON, "once"
+def error_message(fmt: Format, err: RequestError) -> Message:
+    return Message(json.dumps(fmt.error(err)), err.status, JSON, "once")

@@ -193,6 +193,11 @@ def error(err: RequestError) -> dict:
     return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.status}}
 
 
+def error_tail(err: RequestError) -> str:
+    """The end of a stream that fails after it began: an error event, then [DONE]."""
+    return sse(error(err)) + "data: [DONE]\n\n"
+
+
 def models(model_name: str, created: int) -> dict:
     return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                         "owned_by": "torchserve"}]}

@@ -13,16 +13,6 @@ from kv_cache import BlockPool, BlockTable
 from sequence import Sequence
 
 
-def default_token_budget(max_seqs: int, on_gpu: bool) -> int:
-    """The tokens a step computes unless configured: a step's prefill chunk should cost no
-    more than about two decode steps, so that running streams stay smooth while a long
-    prompt is prefilled (BENCHMARKS.md, serving engine: on CPU a 64-token chunk made a step
-    of 8 decodes 2.6x longer, 512 tokens 6.2x). A GPU computes hundreds of tokens in the
-    time it reads the weights once (vLLM's chunked-prefill default was 512). At least one
-    token for every sequence, so that each decodes every step."""
-    return max(512 if on_gpu else 64, max_seqs)
-
-
 @dataclass
 class Work:
     """One step's work for one sequence: its next n tokens into the cache."""

@@ -73,15 +73,19 @@ SERVER_SLOTS = 4
 SERVER_MAX_SEQ_LEN = 512
 
 
-def start_demo_server(workdir, env: dict | None = None, **handler):
+def start_demo_server(workdir, env: dict | None = None, faults: bool = False, **handler):
     """A TorchServe (TP=2 on CPU) serving DEMO with the tests' slots and context, its
     frontend and workers with the runtime requirements alone (tests/runtime.py); handler:
-    more settings for model-config.yaml's handler section; env: more environment variables."""
+    more settings for model-config.yaml's handler section; env: more environment variables;
+    faults: the handler is tests/fault_handler.py's, which injects tests/injected.py's faults."""
     from local_server import start_server
     from runtime import environment
 
+    tests = os.path.join(ROOT, "tests")
+    files = {"handler_file": os.path.join(tests, "fault_handler.py"),
+             "modules": (os.path.join(tests, "injected.py"),)} if faults else {}
     return start_server(workdir, DEMO, tp=2, env=environment(workdir, env or {}), batch_size=SERVER_SLOTS,
-                        handler={"max_seq_len": SERVER_MAX_SEQ_LEN} | handler)
+                        handler={"max_seq_len": SERVER_MAX_SEQ_LEN} | handler, **files)
 
 
 def decoded_after_leaving(server, body: dict, read: int) -> tuple[list[str], int]:
@@ -104,11 +108,11 @@ def decoded_after_leaving(server, body: dict, read: int) -> tuple[list[str], int
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """One TorchServe for the whole test run; its handler raises where a prompt asks it to
-    (handler.FAULT), which test_batching.py uses to show what a bug costs. Its steps overlap
+    (tests/injected.py), which test_batching.py uses to show what a bug costs. Its steps overlap
     TorchServe's round trip, one per iteration, as on a GPU (handler.overlap auto, the
     other servers here, runs 4 steps or more in turn on a CPU whose cores all compute)."""
-    srv = start_demo_server(tmp_path_factory.mktemp("torchserve"), env={"LLAMA_TEST_FAULTS": "1"},
-                            overlap=True, steps_per_iteration=1)
+    srv = start_demo_server(tmp_path_factory.mktemp("torchserve"), faults=True, overlap=True,
+                            steps_per_iteration=1)
     srv.initial_pids = srv.worker_pids()
     yield srv
     srv.stop()

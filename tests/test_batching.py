@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from conftest import decoded_after_leaving
-from handler import FAULT
+from injected import FAULT
 
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 
@@ -113,7 +113,7 @@ def test_disconnect_stops_decoding_within_a_step(server):
 
 @pytest.mark.parametrize("where", ["preprocess", "answer"])
 def test_a_failure_reading_or_answering_costs_that_request_only(server, demo_llama, where):
-    """A bug while reading a request or formatting its answer (injected: handler.FAULT, a
+    """A bug while reading a request or formatting its answer (injected: tests/injected.py, a
     BaseException as a Rust panic is) costs that request a 500; the requests decoding
     meanwhile and those sent with it are answered as usual, no slot stays taken, and the
     workers are the same processes."""

@@ -11,11 +11,11 @@ import torch
 
 import llama2
 from conftest import DEMO
-from engine import Engine, overlap_by_default
+from engine import Engine
 from engine_worker import CONFIGS, N_NEW, SYSTEM, workload
-from sequence import SamplingParams
 from kv_cache import BlockPool, BlockTable, block_hash
-from scheduler import Scheduler, default_token_budget
+from scheduler import Scheduler
+from sequence import SamplingParams
 from torchrun import run
 
 
@@ -62,13 +62,6 @@ class FakeSeq:
     def __init__(self, id, prompt, generated=0):
         self.id, self.prompt_tokens, self.tokens = id, list(prompt), [0] * generated
         self.needs_prompt_logprobs = False
-
-
-def test_default_token_budget_by_device_and_at_least_one_token_per_sequence():
-    assert default_token_budget(8, on_gpu=False) == 64
-    assert default_token_budget(8, on_gpu=True) == 512
-    assert default_token_budget(100, on_gpu=False) == 100
-    assert default_token_budget(1000, on_gpu=True) == 1000
 
 
 def test_scheduler_budget_decodes_first_and_chunks():
@@ -185,13 +178,6 @@ def test_prefix_hit_computes_only_the_rest():
     while alone.running:
         alone.step()
     assert second.tokens == s.tokens
-
-
-def test_steps_overlap_the_server_on_a_gpu_or_with_a_core_left_over():
-    assert overlap_by_default(True, cores=2, threads_in_use=2)
-    assert overlap_by_default(False, cores=3, threads_in_use=2)
-    assert not overlap_by_default(False, cores=2, threads_in_use=2)
-    assert not overlap_by_default(False, cores=16, threads_in_use=16)
 
 
 @pytest.mark.parametrize("threaded", [True, False])

@@ -49,3 +49,18 @@ def test_a_cycle_is_found():
     """The check itself: a cycle three modules long, and one inside a function's imports."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
     assert imports(os.path.join(ROOT, "generate.py")) >= {"engine"}  # its seed functions run the engine
+
+
+def test_both_apis_implement_the_answer_format():
+    """The handler asks the native API (api) and the OpenAI one (openai_api) the same
+    things (api.Format), with the same parameters."""
+    import inspect
+
+    import api
+    import openai_api
+
+    for module in (api, openai_api):
+        assert isinstance(module, api.Format), module.__name__
+        for name in ("answer", "chunk", "last_chunks", "error", "error_tail"):
+            wanted = list(inspect.signature(getattr(api.Format, name)).parameters)[1:]  # less self
+            assert list(inspect.signature(getattr(module, name)).parameters)[:len(wanted)] == wanted, name

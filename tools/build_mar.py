@@ -17,18 +17,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def build_mar(config: str, export_path: str, weights: str | None = None, name: str = "llama",
-              root: str = ROOT) -> str:
-    """root: the source tree whose handler.py and modules go in (another checkout, for a benchmark's baseline)."""
+              root: str = ROOT, handler: str | None = None, modules: tuple = ()) -> str:
+    """root: the source tree whose handler.py and modules go in (another checkout, for a
+    benchmark's baseline). handler: another handler file instead of root's handler.py (the
+    tests' subclass, which imports it), with more modules of its own."""
     os.makedirs(export_path, exist_ok=True)
+    handler = handler or os.path.join(root, "handler.py")
     with tempfile.TemporaryDirectory() as stage:
-        extra = [p for p in sorted(glob.glob(os.path.join(root, "*.py"))) if not p.endswith("handler.py")]
+        extra = [p for p in sorted(glob.glob(os.path.join(root, "*.py"))) + list(modules) if p != handler]
         if weights:  # a folder's contents land in the archive's root: stage it as weights/
             shutil.copytree(weights, os.path.join(stage, "weights"))
             extra.append(stage)
         archiver = os.path.join(os.path.dirname(sys.executable), "torch-model-archiver")
         # the archiver stages its files in $TMPDIR/<name>: a private TMPDIR keeps builds apart
         subprocess.run([archiver, "--model-name", name, "--version", "1.0",
-                        "--handler", os.path.join(root, "handler.py"), "--extra-files", ",".join(extra),
+                        "--handler", handler, "--extra-files", ",".join(extra),
                         "--config-file", config, "--export-path", export_path, "--force"], check=True,
                        env=dict(os.environ, TMPDIR=stage))
     return os.path.join(export_path, f"{name}.mar")

@@ -64,10 +64,12 @@ class Server:
         self.write_properties()
 
     def build(self, weights: str, batch_size: int = 4, handler: dict | None = None,
-              model_config: dict | None = None, root: str = ROOT, threads: int | None = None) -> "Server":
+              model_config: dict | None = None, root: str = ROOT, threads: int | None = None,
+              handler_file: str | None = None, modules: tuple = ()) -> "Server":
         """This folder's model-config.yaml and llama.mar (weights: a checkpoint folder packed
         into the archive, or None when handler.checkpoint is absolute), from the handler and
-        model-config.yaml of root (another checkout: a benchmark's baseline)."""
+        model-config.yaml of root (another checkout: a benchmark's baseline); handler_file
+        and modules: another handler that builds on root's (tools/build_mar.py)."""
         with open(os.path.join(root, "model-config.yaml")) as f:
             config = configure.configure(yaml.safe_load(f), tp=self.tp, device="cpu", rdzv_port=free_port(),
                                          batch_size=batch_size, handler=handler, threads=threads)
@@ -77,7 +79,7 @@ class Server:
         with open(config_path, "w") as f:
             yaml.safe_dump(config, f)
         self.model_store = os.path.join(self.workdir, "model_store")
-        build_mar.build_mar(config_path, self.model_store, weights, root=root)
+        build_mar.build_mar(config_path, self.model_store, weights, root=root, handler=handler_file, modules=modules)
         return self
 
     def write_properties(self):
