@@ -1,10 +1,9 @@
 """The collectives of tensor parallelism (all-reduce, all-gather, broadcast). On GPUs they
 are NCCL's. One host's CPU ranks exchange through a shared-memory segment when the tensor
 fits its slots (LLAMA_CPU_COLLECTIVES=gloo turns it off): gloo's loopback sockets cost
-1.6 ms for a 16 KB all-reduce between two ranks on a 2-core machine (7.4 ms between four),
-against about 40 us (0.4 ms) through shared memory, and a decode step makes two per layer
-(BENCHMARKS.md, tensor parallelism on CPU). Larger tensors (long prefill chunks) and other
-hosts' ranks use gloo.
+tens of times more for a decode step's all-reduce, and a decode step makes two per layer
+(BENCHMARKS.md, tensor parallelism on CPU: gloo against shared memory). Larger tensors
+(long prefill chunks) and other hosts' ranks use gloo.
 
 Each rank owns one slot in each of two buffers and a counter of its exchanges. An
 exchange writes the rank's tensor into its slot of buffer n % 2, publishes n, waits until
@@ -281,8 +280,8 @@ def leader_group():
 
 def broadcast_bytes(payload: bytes | None, group=None) -> bytes:
     """Rank 0's payload on every rank of group (the others pass None). One broadcast of
-    MESSAGE_BYTES carries its length and a payload that fits (most batches: 0.3 ms between
-    two CPU ranks, half of what a second one costs); a longer one sends its rest after.
+    MESSAGE_BYTES carries its length and a payload that fits (most batches: one broadcast
+    costs about half of two); a longer one sends its rest after.
     The tensors view bytearrays, so the bytes need no numpy (not a runtime requirement)."""
     head_bytes = bytearray(MESSAGE_BYTES)
     if payload is not None:

@@ -18,11 +18,11 @@ from api import Defaults, Limits, dataclass_from
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO = "auto"
 Auto = Literal["auto"]
-# Steps in turn with TorchServe's round trip (5-8 ms here): an iteration runs at least 4 steps,
-# more if they fit in 200 ms (at most 16), so that the round trip and the slower first step
-# after it cost little; a request that arrives meanwhile waits that long to start, and a
-# stream comes in chunks that far apart (BENCHMARKS.md, serving engine: fewer steps for slow
-# models measured slower; 100 ms left a single stream at 0.89-0.95 of the in-process engine).
+# Steps in turn with TorchServe's round trip: an iteration runs at least 4 steps, more if they
+# fit in 200 ms (at most 16), so that the round trip and the slower first step after it cost
+# little; a request that arrives meanwhile waits that long to start, and a stream comes in
+# chunks that far apart (BENCHMARKS.md, serving engine: fewer steps for slow models, and a
+# 100 ms budget, measured slower).
 IN_TURN_SECONDS, IN_TURN_STEPS = 0.2, (4, 16)
 
 
