@@ -45,7 +45,7 @@ class Engine:
         # round trip overlaps the steps; torch captures and replays CUDA graphs per thread,
         # so compiling happens there too, and the thread works on this rank's GPU. On a
         # CPU, steps on the thread that loaded the model measured faster (one OpenMP team
-        # instead of two: BENCHMARKS.md, serving engine, the steps in turn on the main thread).
+        # instead of two: docs/tuning-log.md, the steps in turn on the worker's main thread).
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=use_device,
                                          initargs=(self.device,)) if threaded else None
         self.pending: Future | None = None

@@ -21,8 +21,8 @@ Auto = Literal["auto"]
 # Steps in turn with TorchServe's round trip: an iteration runs at least 4 steps, more if they
 # fit in 200 ms (at most 16), so that the round trip and the slower first step after it cost
 # little; a request that arrives meanwhile waits that long to start, and a stream comes in
-# chunks that far apart (BENCHMARKS.md, serving engine: fewer steps for slow models, and a
-# 100 ms budget, measured slower).
+# chunks that far apart (docs/tuning-log.md: fewer steps for slow models, and a 100 ms
+# budget, measured slower).
 IN_TURN_SECONDS, IN_TURN_STEPS = 0.2, (4, 16)
 
 
@@ -178,8 +178,8 @@ def overlap_by_default(on_gpu: bool, cores: int, threads_in_use: int) -> bool:
 def default_token_budget(max_seqs: int, on_gpu: bool) -> int:
     """The tokens a step computes unless configured: a step's prefill chunk should cost no
     more than about two decode steps, so that running streams stay smooth while a long
-    prompt is prefilled (BENCHMARKS.md, serving engine: on CPU a 64-token chunk made a step
-    of 8 decodes 2.6x longer, 512 tokens 6.2x). A GPU computes hundreds of tokens in the
+    prompt is prefilled (a longer chunk makes the decodes sharing its step that much
+    slower: BENCHMARKS.md, serving engine). A GPU computes hundreds of tokens in the
     time it reads the weights once (vLLM's chunked-prefill default was 512). At least one
     token for every sequence, so that each decodes every step."""
     return max(512 if on_gpu else 64, max_seqs)
