@@ -88,6 +88,20 @@ def start_demo_server(workdir, env: dict | None = None, faults: bool = False, **
                         handler={"max_seq_len": SERVER_MAX_SEQ_LEN} | handler, **files)
 
 
+def configure_line(folder: str, tmp_path, monkeypatch, capsys) -> str:
+    """What tools/configure.py, as `make serve` runs it, ends with for folder: the line it
+    exits with ('cannot serve: ...') or what it prints when it accepts the checkpoint."""
+    import configure
+
+    out = str(tmp_path / "build" / "model-config.yaml")
+    monkeypatch.setattr(sys, "argv", ["configure.py", "--out", out, "--checkpoint", folder, "--device", "cpu"])
+    try:
+        configure.main()
+    except SystemExit as e:
+        return str(e.code)
+    return capsys.readouterr().out
+
+
 def decoded_after_leaving(server, body: dict, read: int) -> tuple[list[str], int]:
     """Stream body, read `read` lines and close, as a client that goes away; then wait for the
     handler's 'done' line of that request. Returns the texts read and the tokens it generated."""

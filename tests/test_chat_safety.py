@@ -14,7 +14,6 @@ import copy
 import json
 import os
 import shutil
-import sys
 import time
 import tracemalloc
 
@@ -24,10 +23,9 @@ from hypothesis import strategies as st
 
 import api
 import chat_format
-import configure
 import openai_api
 from api import Defaults, Limits, RequestError
-from conftest import TOKENIZER
+from conftest import TOKENIZER, configure_line
 from tokenizer import Tokenizer, llama3_special_tokens
 
 LIMITS, DEFAULTS, MAX_SEQ_LEN = Limits(), Defaults(), 4096
@@ -216,17 +214,6 @@ def test_a_runaway_template_is_a_400_and_the_next_rendering_works(tokenizers, te
 
 
 # --- 3. make serve refuses a template that cannot render ------------------------------------
-
-def configure_line(folder: str, tmp_path, monkeypatch, capsys) -> str:
-    """What tools/configure.py, as `make serve` runs it, ends with for folder."""
-    out = str(tmp_path / "build" / "model-config.yaml")
-    monkeypatch.setattr(sys, "argv", ["configure.py", "--out", out, "--checkpoint", folder, "--device", "cpu"])
-    try:
-        configure.main()
-    except SystemExit as e:
-        return str(e.code)
-    return capsys.readouterr().out
-
 
 @pytest.mark.parametrize("template, words", [("{{ 2.0 ** 100000 }}", "OverflowError"),
                                              ("{{ 'a' * 10**8 }}", "more than 4000000 characters"),

@@ -8,16 +8,14 @@ import json
 import os
 import shutil
 import struct
-import sys
 
 import pytest
 import torch
 
 import checkpoint
-import configure
 import llama2
 import make_checkpoint
-from conftest import CONFIGS, TOKENIZER
+from conftest import CONFIGS, TOKENIZER, configure_line
 from tokenizer import Tokenizer
 
 INDEX = "model.safetensors.index.json"
@@ -37,18 +35,6 @@ def sharded(tmp_path_factory) -> str:
 def folder(sharded, tmp_path) -> str:
     """A copy of sharded, to break."""
     return str(shutil.copytree(sharded, tmp_path / "ckpt"))
-
-
-def configure_line(folder: str, tmp_path, monkeypatch, capsys) -> str:
-    """What tools/configure.py, as `make serve` runs it, ends with for folder: the line it
-    exits with ('cannot serve: ...') or what it prints when it accepts the checkpoint."""
-    out = str(tmp_path / "build" / "model-config.yaml")
-    monkeypatch.setattr(sys, "argv", ["configure.py", "--out", out, "--checkpoint", folder, "--device", "cpu"])
-    try:
-        configure.main()
-    except SystemExit as e:
-        return str(e.code)
-    return capsys.readouterr().out
 
 
 def load(folder: str) -> llama2.Transformer:
