@@ -22,8 +22,6 @@ reads each new request, renders and tokenizes it, and sends its token ids and se
 special-token text is hidden are decided once, and the other ranks tokenize nothing.
 """
 
-import hashlib
-import json
 import logging
 import os
 import pickle
@@ -34,26 +32,19 @@ import torch.distributed as dist
 from ts.metrics.metric_type_enum import MetricTypes
 from ts.torch_handler.base_handler import BaseHandler
 
-import api
 import chat_format
 import collectives
-import openai_api
-from api import Format, Job, Message, RequestError
+from api import Job, Message
 from engine import Engine
 from llama2 import tp_llama
+from serving import InFlight
 from serving_config import Machine, ServingConfig
 
 logger = logging.getLogger(__name__)
 
-# url_path (what follows /predictions/<model>/<version>/) -> API
-ROUTES = {"": "native", "v1/completions": "completions", "v1/chat/completions": "chat", "v1/models": "models",
-          "tokenizer_info": "tokenizer_info", "tokenize": "tokenize", "detokenize": "detokenize"}
-AT_ONCE = {"models", "tokenizer_info", "tokenize", "detokenize"}  # answered without decoding
-JSON = "application/json"
-
-
 class LlamaHandler(BaseHandler):
     leader = None  # with more than one rank: the group rank 0 sends its batches on
+    in_flight = InFlight  # what keeps the requests in flight (the tests' handler gives another)
 
     def initialize(self, ctx):
         self.rank = int(os.environ.get("RANK", "0"))
@@ -72,7 +63,7 @@ class LlamaHandler(BaseHandler):
         model_dir = ctx.system_properties["model_dir"]
         checkpoint = os.path.join(model_dir, config.checkpoint)
         tokenizer = os.path.join(model_dir, config.tokenizer or config.checkpoint)
-        self.max_seq_len, self.limits, self.defaults = config.max_seq_len, config.limits, config.defaults
+        self.max_seq_len = config.max_seq_len
         slots = int(ctx.system_properties.get("batch_size") or 1)  # batchSize: sequences decoded together
         start = time.perf_counter()
         llama = tp_llama(None, checkpoint, tokenizer, self.world_size, dtype=config.torch_dtype,
@@ -96,11 +87,10 @@ class LlamaHandler(BaseHandler):
             self.progress("compiled the decode step", seconds=round(time.perf_counter() - start, 1))
         else:
             self.progress("not compiled (handler.compile: false)")
-        self.use_engine(engine, run.steps_per_iteration, run.overlap)
-        self.limits.max_prompts = min(self.limits.max_prompts, slots)
+        config.limits.max_prompts = min(config.limits.max_prompts, slots)
+        self.use_engine(engine, self.in_flight(engine, config.limits, config.defaults, ctx.model_name),
+                        run.steps_per_iteration, run.overlap)
         self.rank0 = self.rank == 0
-        self.model_name = ctx.model_name
-        self.created = int(time.time())
         # Bodies reach the handler as bytes, not as JSON TorchServe decoded leniently (NaN,
         # scalars): read_body checks every one against limits.max_body_bytes and parses it strictly.
         os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
@@ -118,15 +108,14 @@ class LlamaHandler(BaseHandler):
         text = " ".join(f"{k}={v}" for k, v in figures.items()).replace("\n", " ")
         logger.info("loading rank=%d/%d: %s%s", self.rank, self.world_size, stage, f"; {text}" if text else "")
 
-    def use_engine(self, engine: Engine, steps_per_iteration: tuple[int, int, float] = (1, 1, 0.0),
+    def use_engine(self, engine: Engine, requests: InFlight, steps_per_iteration: tuple[int, int, float] = (1, 1, 0.0),
                    overlap: bool = True):
-        """Serve with engine, nothing in flight yet. steps_per_iteration: (at least, at most,
-        the seconds that decide in between: Engine.run)."""
-        self.engine, self.tokenizer = engine, engine.tokenizer
+        """Serve with engine the requests of requests (none in flight yet). steps_per_iteration:
+        (at least, at most, the seconds that decide in between: Engine.run)."""
+        self.engine, self.requests = engine, requests
         self.steps_per_iteration, self.overlap = steps_per_iteration, overlap
         self.steps, self.engine_ms = 0, 0.0  # of the last steps waited for
         self.idle = True  # the engine had nothing to do when this iteration's requests came
-        self.jobs: dict[str, Job] = {}  # by TorchServe request id
 
     # --- one iteration: preprocess -> inference -> postprocess (BaseHandler.handle) -------
     # With overlap, the engine's steps run on its own thread, started at the end of an
@@ -150,42 +139,22 @@ class LlamaHandler(BaseHandler):
 
     def read_batch(self, data, immediate: dict) -> list[dict]:
         """TorchServe's batch as every rank runs it, in batch order: each request's id and
-        protocol, and for a request new to the handler, what new_job made of it ("job"),
-        or "at_once" when rank 0 answered it already: its message (the answer, an error)
-        goes into immediate by batch index, on rank 0 alone."""
+        protocol, and for a request new to the handler, what InFlight.read made of it
+        ("job"), or "at_once" when rank 0 answered it already: its message (the answer, an
+        error) goes into immediate by batch index, on rank 0 alone."""
         batch = []
         for idx, req_id in sorted(self.context.request_ids.items()):
             item = {"id": req_id, "http": self.is_http(idx)}
-            if req_id not in self.jobs:
+            if req_id not in self.requests.jobs:
                 path = self.context.get_request_header(idx, "url_path") or ""
-                message = self.read_request(req_id, path, data[idx], item)
-                if message is not None:
-                    immediate[idx], item["at_once"] = message, True
+                body = data[idx].get("body") if data[idx].get("body") is not None else data[idx].get("data")
+                read = self.requests.read(req_id, path, body)
+                if isinstance(read, Message):
+                    immediate[idx], item["at_once"] = read, True
+                else:
+                    item["job"] = read
             batch.append(item)
         return batch
-
-    def read_request(self, req_id: str, path: str, data: dict, item: dict):
-        """Fill item["job"] with what the engine needs of a new request, or return the
-        message that answers it at once. One bad request costs itself alone: whatever it
-        raises (a tokenizer's Rust panic is a BaseException) becomes its own error."""
-        route = ROUTES.get(path)
-        fmt = openai_api if path.startswith("v1") or route in AT_ONCE else api
-        try:
-            if route is None:
-                raise RequestError(f"no route /{path}; the routes are /, /v1/completions, /v1/chat/completions, "
-                                   "/v1/models, /tokenizer_info, /tokenize and /detokenize", "url", status=404)
-            raw = data.get("body") if data.get("body") is not None else data.get("data")
-            if route in AT_ONCE:
-                return Message(json.dumps(self.answer_at_once(route, raw)), 200, JSON, "once")
-            item["job"] = self.new_job(req_id, route, raw)
-        except RequestError as e:
-            return error_message(fmt, e)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:  # a bug must cost one request, never the worker
-            logger.exception("cannot read request %s", req_id)
-            return error_message(fmt, RequestError(f"internal error: {type(e).__name__}: {e}", None, status=500))
-        return None
 
     def admit(self, batch: list[dict], immediate: dict):
         """Wait for the steps the last iteration started, forget the requests no longer in
@@ -193,15 +162,12 @@ class LlamaHandler(BaseHandler):
         messages to send now (rank 0's immediate; None on the other ranks), by batch index."""
         self.wait_for_steps()
         self.batch = batch
-        for req_id in set(self.jobs) - {item["id"] for item in batch}:
-            self.forget(req_id)
+        for req_id in set(self.requests.jobs) - {item["id"] for item in batch}:
+            self.requests.forget(req_id)
         self.idle = not self.engine.running
         for item in batch:
             if "job" in item:
-                request, prompts, meta = item["job"]
-                job = Job(request, item["http"], prompts, meta)
-                job.seqs = [self.engine.add(tokens, params) for tokens, params in prompts]
-                self.jobs[item["id"]] = job
+                self.requests.admit(item["id"], item["job"], item["http"])
         return {idx: immediate.get(idx) for idx, item in enumerate(batch) if "at_once" in item}
 
     def inference(self, immediate):
@@ -217,12 +183,12 @@ class LlamaHandler(BaseHandler):
             if idx in immediate:
                 messages[idx] = item["http"], immediate[idx]
                 continue
-            job = self.jobs[item["id"]]
-            message = self.guarded_message(job, item["id"])
+            job = self.requests.jobs[item["id"]]
+            message = self.requests.guarded_message(job, item["id"])
             messages[idx] = job.http, message
             if message is not None and message.kind != "chunk":  # the request's last message
                 self.record_metrics(job)
-                self.forget(item["id"])
+                self.requests.forget(item["id"])
         if self.rank0:
             self.record_engine_metrics()
         if self.overlap:
@@ -274,20 +240,12 @@ class LlamaHandler(BaseHandler):
         except Exception as e:
             logger.exception("engine step failed")
             self.exit_if_the_ranks_are_broken(e)
-            failed = set(self.engine.scheduler.running)
-            for job in self.jobs.values():
-                if failed.intersection(job.seqs):
-                    job.error = RequestError(f"internal error: {e}", None, status=500)
-                    for seq in job.seqs:
-                        self.engine.release(seq)
+            self.requests.fail_running(e)
             return
         if result is None:
             return
         self.steps, self.engine_ms = result
-        now = time.perf_counter()
-        for job in self.jobs.values():
-            if job.first_token is None and any(s.tokens or s.done for s in job.seqs):
-                job.first_token = now
+        self.requests.note_first_tokens(time.perf_counter())
 
     def exit_if_the_ranks_are_broken(self, error: Exception):
         """After a failed step: if the ranks can no longer reach each other (one died) or
@@ -305,94 +263,8 @@ class LlamaHandler(BaseHandler):
         except Exception:
             exit_for_a_restart("the tensor-parallel ranks cannot reach each other")
 
-    # --- requests ---------------------------------------------------------------------
-
-    def answer_at_once(self, route: str, raw) -> dict:
-        if route == "models":
-            return openai_api.models(self.model_name, self.created)
-        if route == "tokenizer_info":
-            return openai_api.tokenizer_info(self.tokenizer, self.max_seq_len)
-        body = api.read_body(request_body(raw), self.limits)
-        if route == "tokenize":
-            return openai_api.tokenize(body, self.tokenizer, self.max_seq_len, self.limits)
-        return openai_api.detokenize(body, self.tokenizer)
-
-    def new_job(self, req_id: str, route: str, raw) -> tuple:
-        """(request, [(prompt tokens, sampling params)], meta): what every rank's Job needs."""
-        body = api.read_body(request_body(raw), self.limits)
-        if route == "native":
-            request = api.parse_native(body, self.limits, self.defaults)
-        else:
-            request = openai_api.parse(route, body, self.model_name, self.limits, self.defaults)
-        prompts = api.sequences(request, self.tokenizer, self.max_seq_len, self.limits, self.defaults)
-        for tokens, params in prompts:  # all checks before any sequence is queued
-            try:
-                self.engine.check(tokens, params)
-            except ValueError as e:
-                raise RequestError(str(e), "prompt") from None
-        meta = {"id": f"{'chatcmpl' if request.chat else 'cmpl'}-{req_id}", "created": int(time.time()),
-                "model": self.model_name}
-        return request, prompts, meta
-
     def is_http(self, idx: int) -> bool:
         return any(k.lower() in ("url_path", "host") for k in self.context.get_all_request_header(idx))
-
-    def forget(self, req_id: str):
-        """Free what a finished or abandoned request holds."""
-        job = self.jobs.pop(req_id, None)
-        if job is None:
-            return
-        for seq in job.seqs:
-            self.engine.release(seq)
-        # every rank logs this line: the tests compare the ranks' sequence ids, tokens and
-        # scheduling decisions (block tables included) so far
-        tokens = [s.tokens for s in job.seqs]
-        logger.info("done %s rank=%s seqs=%s tokens=%s decisions=%s generated=%s preemptions=%d", req_id,
-                    os.environ.get("RANK", "0"), [s.id for s in job.seqs],
-                    hashlib.sha1(repr(tokens).encode()).hexdigest(), self.engine.scheduler.digest.hexdigest(),
-                    [len(t) for t in tokens], self.engine.scheduler.preemptions)
-
-    def guarded_message(self, job: Job, req_id: str):
-        """message(job), or its error when formatting it raises: one bad answer costs its
-        own request alone, never the iteration's other requests or the worker."""
-        try:
-            return self.message(job)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:
-            logger.exception("cannot answer request %s", req_id)
-            job.error = RequestError(f"internal error: {type(e).__name__}: {e}", None, status=500)
-            return self.message(job)
-
-    def message(self, job: Job) -> Message | None:
-        """The request's message for this iteration, or None."""
-        req = job.request
-        fmt: Format = api if req.api == "native" else openai_api
-        if job.error is not None:
-            if not job.started:
-                return error_message(fmt, job.error)
-            return Message(fmt.error_tail(job.error), 200, fmt.STREAM_TYPE, "last")
-        if not any(s.tokens or s.done for s in job.seqs):
-            return None  # its prompts are waiting or being prefilled
-        done = all(s.done for s in job.seqs)
-        if not req.stream:
-            if not done:
-                return None
-            return Message(json.dumps(fmt.answer(req, job.seqs, self.tokenizer, job.meta)), 200, JSON, "once")
-        if not job.http and not done:
-            # TorchServe 0.12 drops a gRPC stream after its first message (GRPCJob.isOpen()
-            # returns isCancelled()), so a gRPC stream goes out whole, in one message.
-            return None
-        pieces = [fmt.chunk(req, job.meta, i, text, first=not job.started)
-                  for i, s in enumerate(job.seqs) if (text := s.new_text()) or not job.started]
-        # An HTTP stream's first message opens it, so its last chunks wait for a later one.
-        last = done and (job.started or not job.http)
-        if last:
-            pieces.append(fmt.last_chunks(req, job.seqs, job.meta, self.tokenizer))
-        if not pieces:
-            return None
-        job.started = True
-        return Message("".join(pieces), 200, fmt.STREAM_TYPE, "last" if last else "chunk")
 
     def record_engine_metrics(self):
         metrics, engine = self.context.metrics, self.engine
@@ -427,14 +299,3 @@ def exit_for_a_restart(why: str):
     flight ("Worker died.") and starts a new one (exit_if_the_ranks_are_broken)."""
     logger.critical("%s; exiting so that TorchServe restarts the worker", why, exc_info=True)
     os._exit(1)
-
-
-def request_body(raw):
-    if raw is None:
-        raise RequestError("no JSON body found: send one with Content-Type: application/json "
-                           "(curl: -H 'Content-Type: application/json')", "body", status=415)
-    return raw
-
-
-def error_message(fmt: Format, err: RequestError) -> Message:
-    return Message(json.dumps(fmt.error(err)), err.status, JSON, "once")

@@ -124,16 +124,16 @@ def main():
     ctx = context(out_dir, overlap, checkpoint)
     h.initialize(ctx)
     finished = {}
-    forget = h.forget
+    forget = h.requests.forget
 
     def recording_forget(req_id):
-        job = h.jobs.get(req_id)
+        job = h.requests.jobs.get(req_id)
         if job is not None:
             finished[req_id] = [(s.prompt_tokens, s.tokens) for s in job.seqs]
         forget(req_id)
 
-    h.forget = recording_forget
-    result = {"own_render": chat_format.encode_dialog(h.tokenizer, DIALOG)}  # what this rank's clock renders
+    h.requests.forget = recording_forget
+    result = {"own_render": chat_format.encode_dialog(h.engine.tokenizer, DIALOG)}  # what this rank's clock renders
     if rank == 0:
         result["answers"] = lead(h, ctx, requests)
     else:

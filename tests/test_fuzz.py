@@ -347,11 +347,13 @@ def test_failed_prefill_frees_its_blocks(demo_llama, monkeypatch):
     every KV-cache block they took, so the next request decodes normally."""
     import engine as engine_module
     import handler as handler_module
+    from serving import InFlight
 
     engine = engine_module.Engine(demo_llama.model, demo_llama.tokenizer)
     h = handler_module.LlamaHandler()
-    h.use_engine(engine)
     limits = Limits()
+    h.use_engine(engine, InFlight(engine, limits, DEFAULTS, "llama"))
+    jobs = h.requests.jobs
 
     def job(body):
         req = api.parse_native(body, limits, DEFAULTS)
@@ -369,14 +371,14 @@ def test_failed_prefill_frees_its_blocks(demo_llama, monkeypatch):
         return real_sample(logits, seqs)
 
     monkeypatch.setattr(engine_module, "sample", failing_sample)
-    h.jobs["bad"] = job({"prompt": ["one", "two", "three"], "temperature": 0.5, "max_new_tokens": 4})
+    jobs["bad"] = job({"prompt": ["one", "two", "three"], "temperature": 0.5, "max_new_tokens": 4})
     h.start_steps()
     h.wait_for_steps()
-    assert h.jobs["bad"].error is not None and h.jobs["bad"].error.status == 500
+    assert jobs["bad"].error is not None and jobs["bad"].error.status == 500
     assert engine.pool.num_used == 0 and not engine.running
 
-    h.jobs["good"] = job({"prompt": "two", "temperature": 0, "max_new_tokens": 4})
-    good = h.jobs["good"]
+    jobs["good"] = job({"prompt": "two", "temperature": 0, "max_new_tokens": 4})
+    good = jobs["good"]
     while not (good.seqs and all(s.done for s in good.seqs)):
         h.start_steps()
         h.wait_for_steps()

@@ -1,0 +1,167 @@
+"""The requests in flight on one rank, apart from TorchServe: rank 0 reads each new request
+into what every rank needs to run it (read: parse, render, tokenize), every rank queues
+its sequences (admit), and each iteration gives a request its message when it has one
+(message); forget frees what a request holds. handler.py is the TorchServe side."""
+
+import hashlib
+import json
+import logging
+import os
+import time
+
+import api
+import openai_api
+from api import Format, Job, Message, RequestError
+
+logger = logging.getLogger(__name__)
+
+# url_path (what follows /predictions/<model>/<version>/) -> API
+ROUTES = {"": "native", "v1/completions": "completions", "v1/chat/completions": "chat", "v1/models": "models",
+          "tokenizer_info": "tokenizer_info", "tokenize": "tokenize", "detokenize": "detokenize"}
+AT_ONCE = {"models", "tokenizer_info", "tokenize", "detokenize"}  # answered without decoding
+JSON = "application/json"
+
+
+class InFlight:
+    def __init__(self, engine, limits: api.Limits, defaults: api.Defaults, model_name: str):
+        self.engine, self.tokenizer, self.max_seq_len = engine, engine.tokenizer, engine.max_seq_len
+        self.limits, self.defaults, self.model_name = limits, defaults, model_name
+        self.created = int(time.time())
+        self.jobs: dict[str, Job] = {}  # by TorchServe request id
+
+    def read(self, req_id: str, path: str, raw) -> tuple | Message:
+        """What every rank's Job needs of a new request (new_job), or the message that
+        answers it at once. One bad request costs itself alone: whatever it raises (a
+        tokenizer's Rust panic is a BaseException) becomes its own error."""
+        route = ROUTES.get(path)
+        fmt = openai_api if path.startswith("v1") or route in AT_ONCE else api
+        try:
+            if route is None:
+                raise RequestError(f"no route /{path}; the routes are /, /v1/completions, /v1/chat/completions, "
+                                   "/v1/models, /tokenizer_info, /tokenize and /detokenize", "url", status=404)
+            if route in AT_ONCE:
+                return Message(json.dumps(self.answer_at_once(route, raw)), 200, JSON, "once")
+            return self.new_job(req_id, route, raw)
+        except RequestError as e:
+            return error_message(fmt, e)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # a bug must cost one request, never the worker
+            logger.exception("cannot read request %s", req_id)
+            return error_message(fmt, RequestError(f"internal error: {type(e).__name__}: {e}", None, status=500))
+
+    def answer_at_once(self, route: str, raw) -> dict:
+        if route == "models":
+            return openai_api.models(self.model_name, self.created)
+        if route == "tokenizer_info":
+            return openai_api.tokenizer_info(self.tokenizer, self.max_seq_len)
+        body = api.read_body(request_body(raw), self.limits)
+        if route == "tokenize":
+            return openai_api.tokenize(body, self.tokenizer, self.max_seq_len, self.limits)
+        return openai_api.detokenize(body, self.tokenizer)
+
+    def new_job(self, req_id: str, route: str, raw) -> tuple:
+        """(request, [(prompt tokens, sampling params)], meta): what every rank's Job needs."""
+        body = api.read_body(request_body(raw), self.limits)
+        if route == "native":
+            request = api.parse_native(body, self.limits, self.defaults)
+        else:
+            request = openai_api.parse(route, body, self.model_name, self.limits, self.defaults)
+        prompts = api.sequences(request, self.tokenizer, self.max_seq_len, self.limits, self.defaults)
+        for tokens, params in prompts:  # all checks before any sequence is queued
+            try:
+                self.engine.check(tokens, params)
+            except ValueError as e:
+                raise RequestError(str(e), "prompt") from None
+        meta = {"id": f"{'chatcmpl' if request.chat else 'cmpl'}-{req_id}", "created": int(time.time()),
+                "model": self.model_name}
+        return request, prompts, meta
+
+    def admit(self, req_id: str, spec: tuple, http: bool):
+        """Queue the sequences of a request that read gave spec for."""
+        request, prompts, meta = spec
+        job = Job(request, http, prompts, meta)
+        job.seqs = [self.engine.add(tokens, params) for tokens, params in prompts]
+        self.jobs[req_id] = job
+
+    def fail_running(self, error: Exception):
+        """After a failed step: the requests with a sequence in it fail, and free their blocks."""
+        failed = set(self.engine.scheduler.running)
+        for job in self.jobs.values():
+            if failed.intersection(job.seqs):
+                job.error = RequestError(f"internal error: {error}", None, status=500)
+                for seq in job.seqs:
+                    self.engine.release(seq)
+
+    def note_first_tokens(self, now: float):
+        for job in self.jobs.values():
+            if job.first_token is None and any(s.tokens or s.done for s in job.seqs):
+                job.first_token = now
+
+    def forget(self, req_id: str):
+        """Free what a finished or abandoned request holds."""
+        job = self.jobs.pop(req_id, None)
+        if job is None:
+            return
+        for seq in job.seqs:
+            self.engine.release(seq)
+        # every rank logs this line: the tests compare the ranks' sequence ids, tokens and
+        # scheduling decisions (block tables included) so far
+        tokens = [s.tokens for s in job.seqs]
+        logger.info("done %s rank=%s seqs=%s tokens=%s decisions=%s generated=%s preemptions=%d", req_id,
+                    os.environ.get("RANK", "0"), [s.id for s in job.seqs],
+                    hashlib.sha1(repr(tokens).encode()).hexdigest(), self.engine.scheduler.digest.hexdigest(),
+                    [len(t) for t in tokens], self.engine.scheduler.preemptions)
+
+    def guarded_message(self, job: Job, req_id: str) -> Message | None:
+        """message(job), or its error when formatting it raises: one bad answer costs its
+        own request alone, never the iteration's other requests or the worker."""
+        try:
+            return self.message(job)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            logger.exception("cannot answer request %s", req_id)
+            job.error = RequestError(f"internal error: {type(e).__name__}: {e}", None, status=500)
+            return self.message(job)
+
+    def message(self, job: Job) -> Message | None:
+        """The request's message for this iteration, or None."""
+        req = job.request
+        fmt: Format = api if req.api == "native" else openai_api
+        if job.error is not None:
+            if not job.started:
+                return error_message(fmt, job.error)
+            return Message(fmt.error_tail(job.error), 200, fmt.STREAM_TYPE, "last")
+        if not any(s.tokens or s.done for s in job.seqs):
+            return None  # its prompts are waiting or being prefilled
+        done = all(s.done for s in job.seqs)
+        if not req.stream:
+            if not done:
+                return None
+            return Message(json.dumps(fmt.answer(req, job.seqs, self.tokenizer, job.meta)), 200, JSON, "once")
+        if not job.http and not done:
+            # TorchServe 0.12 drops a gRPC stream after its first message (GRPCJob.isOpen()
+            # returns isCancelled()), so a gRPC stream goes out whole, in one message.
+            return None
+        pieces = [fmt.chunk(req, job.meta, i, text, first=not job.started)
+                  for i, s in enumerate(job.seqs) if (text := s.new_text()) or not job.started]
+        # An HTTP stream's first message opens it, so its last chunks wait for a later one.
+        last = done and (job.started or not job.http)
+        if last:
+            pieces.append(fmt.last_chunks(req, job.seqs, job.meta, self.tokenizer))
+        if not pieces:
+            return None
+        job.started = True
+        return Message("".join(pieces), 200, fmt.STREAM_TYPE, "last" if last else "chunk")
+
+
+def request_body(raw):
+    if raw is None:
+        raise RequestError("no JSON body found: send one with Content-Type: application/json "
+                           "(curl: -H 'Content-Type: application/json')", "body", status=415)
+    return raw
+
+
+def error_message(fmt: Format, err: RequestError) -> Message:
+    return Message(json.dumps(fmt.error(err)), err.status, JSON, "once")
