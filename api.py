@@ -1,6 +1,7 @@
-"""The request schema of the native JSON API: parsing and validating a request body into
-a Request, turning a Request into prompts with sampling settings, and formatting answers.
-Every problem is a RequestError that names the field; the handler sends it as a 4xx."""
+"""What the native and OpenAI APIs share: the Request a body is parsed into, the
+validators of its fields, turning a Request into prompts with sampling settings
+(sequences), and what serving.py asks of an API's answers (Format, Message). Every problem
+is a RequestError that names the field; it goes out as a 4xx."""
 
 import json
 import math
@@ -9,7 +10,6 @@ from dataclasses import dataclass, field, fields
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import chat_format
-import generate
 from sequence import SamplingParams, Sequence
 
 
@@ -237,40 +237,9 @@ def type_name(value) -> str:
             type(None): "null"}.get(type(value), type(value).__name__)
 
 
-# --- the native API ----------------------------------------------------------------------
+# --- shared by both APIs -----------------------------------------------------------------
 
-NATIVE_FIELDS = {"prompt", "dialog", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
-                 "stop", "logprobs", "top_logprobs", "echo", "stream", "n", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos"}
 MAX_TOP_LOGPROBS = 20
-
-
-def parse_native(body, limits: Limits, defaults: Defaults) -> Request:
-    if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, got {type_name(body)}", "body")
-    unknown = sorted(set(body) - NATIVE_FIELDS)
-    if unknown:
-        raise RequestError(f"unknown fields {unknown}; accepted: {sorted(NATIVE_FIELDS)}", unknown[0])
-    given = [k for k in ("prompt", "dialog", "messages") if k in body]
-    if len(given) != 1:
-        raise RequestError("give exactly one of prompt (text completion) or dialog/messages (chat)"
-                           + (f", not {' and '.join(given)}" if given else ""), "prompt")
-    req = Request("native", chat=given[0] != "prompt", input_field=given[0])
-    if req.chat:
-        req.inputs = [get_dialog(body, given[0], limits)]
-    else:
-        req.inputs, req.batched = get_prompts(body, "prompt", limits)
-    req.stream = get_bool(body, "stream")
-    req.max_new_tokens = get_int(body, "max_new_tokens", 1, limits.max_new_tokens)
-    req.n = get_n(body, len(req.inputs), limits)
-    req.batched = req.batched or req.n > 1
-    req.sampling = sampling_fields(body, defaults, top_p="top_p")
-    req.sampling["logprobs"] = get_bool(body, "logprobs")
-    req.sampling["top_logprobs"] = get_top_logprobs(body, req.sampling["logprobs"], "logprobs: true")
-    req.sampling["echo"] = get_bool(body, "echo")
-    if req.chat and req.sampling["echo"]:
-        raise RequestError("echo is only for text completion", "echo")
-    return req
 
 
 def get_n(body: dict, inputs: int, limits: Limits) -> int:
@@ -393,47 +362,3 @@ class Format(Protocol):
     def error(self, err: RequestError) -> dict: ...
 
     def error_tail(self, err: RequestError) -> str: ...
-
-
-# --- native answers ---------------------------------------------------------------------
-
-STREAM_TYPE = "application/jsonl"  # one JSON object per line
-
-
-def answer(req: Request, seqs: list[Sequence], tokenizer, meta: dict) -> dict | list:
-    answers = []
-    for k, seq in enumerate(seqs):
-        if req.chat:
-            generation = {"role": "assistant", "content": seq.text}
-        else:
-            generation = (req.texts[k // req.n] if seq.params.echo else "") + seq.text
-        answers.append(generate.prediction(seq, tokenizer, generation))
-    return answers if req.batched else answers[0]
-
-
-def chunk(req: Request, meta: dict, index: int, text: str, first: bool) -> str:
-    """One streamed line with new text (the first one starts with the prompt when echo)."""
-    if first and req.sampling.get("echo"):
-        text = req.texts[index // req.n] + text
-    return json.dumps(({"index": index} if req.batched else {}) | {"text": text}) + "\n"
-
-
-def last_chunks(req: Request, seqs: list[Sequence], meta: dict, tokenizer) -> str:
-    """Each sequence's last line: finish_reason and usage (and tokens and logprobs when
-    asked for)."""
-    lines = []
-    for i, seq in enumerate(seqs):
-        done = generate.prediction(seq, tokenizer, None)
-        del done["generation"]
-        lines.append(json.dumps(({"index": i} if req.batched else {}) | {"text": ""} | done) + "\n")
-    return "".join(lines)
-
-
-def error(err: RequestError) -> dict:
-    return {"code": err.status, "type": "invalid_request_error" if err.status < 500 else "server_error",
-            "param": err.param, "message": err.message}
-
-
-def error_tail(err: RequestError) -> str:
-    """The end of a stream that fails after it began: a line with the error."""
-    return json.dumps(error(err)) + "\n"

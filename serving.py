@@ -10,6 +10,7 @@ import os
 import time
 
 import api
+import native_api
 import openai_api
 from api import Format, Job, Message, RequestError
 
@@ -34,7 +35,7 @@ class InFlight:
         answers it at once. One bad request costs itself alone: whatever it raises (a
         tokenizer's Rust panic is a BaseException) becomes its own error."""
         route = ROUTES.get(path)
-        fmt = openai_api if path.startswith("v1") or route in AT_ONCE else api
+        fmt = openai_api if path.startswith("v1") or route in AT_ONCE else native_api
         try:
             if route is None:
                 raise RequestError(f"no route /{path}; the routes are /, /v1/completions, /v1/chat/completions, "
@@ -64,7 +65,7 @@ class InFlight:
         """(request, [(prompt tokens, sampling params)], meta): what every rank's Job needs."""
         body = api.read_body(request_body(raw), self.limits)
         if route == "native":
-            request = api.parse_native(body, self.limits, self.defaults)
+            request = native_api.parse(body, self.limits, self.defaults)
         else:
             request = openai_api.parse(route, body, self.model_name, self.limits, self.defaults)
         prompts = api.sequences(request, self.tokenizer, self.max_seq_len, self.limits, self.defaults)
@@ -128,7 +129,7 @@ class InFlight:
     def message(self, job: Job) -> Message | None:
         """The request's message for this iteration, or None."""
         req = job.request
-        fmt: Format = api if req.api == "native" else openai_api
+        fmt: Format = native_api if req.api == "native" else openai_api
         if job.error is not None:
             if not job.started:
                 return error_message(fmt, job.error)

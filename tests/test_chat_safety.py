@@ -1,4 +1,4 @@
-"""What a chat request cannot do to the prompt, in this process (api.parse_native /
+"""What a chat request cannot do to the prompt, in this process (native_api.parse /
 openai_api.parse, then api.sequences, with real tokenizers):
 
 1. forge special tokens: a role is one of chat_format.ROLES and a message has no key but role
@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import api
+import native_api
 import chat_format
 import openai_api
 from api import Defaults, Limits, RequestError
@@ -63,7 +64,7 @@ def tokenizers(llama3) -> dict:
 
 def parse(route: str, dialog: list):
     if route == "native":
-        return api.parse_native({"dialog": dialog}, LIMITS, DEFAULTS)
+        return native_api.parse({"dialog": dialog}, LIMITS, DEFAULTS)
     return openai_api.parse("chat", {"messages": dialog}, "llama", LIMITS, DEFAULTS)
 
 

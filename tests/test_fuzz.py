@@ -1,5 +1,5 @@
 """Property-based fuzzing of request parsing and validation, in this process: whatever bytes
-or JSON value come in, api.read_body, api.parse_native, openai_api.parse and api.sequences
+or JSON value come in, api.read_body, native_api.parse, openai_api.parse and api.sequences
 (with the demo tokenizer) give either a valid request whose prompts fit the context and the
 limits, or an api.RequestError with a 4xx status; never any other exception."""
 
@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import api
+import native_api
 import chat_format
 import generate
 import openai_api
@@ -151,7 +152,7 @@ def refused(e: RequestError):
     assert isinstance(e, RequestError)
     assert 400 <= e.status < 500, (e.status, e.message)
     assert isinstance(e.message, str) and e.message and (e.param is None or isinstance(e.param, str))
-    for fmt in (api, openai_api):
+    for fmt in (native_api, openai_api):
         json.dumps(fmt.error(e)).encode("utf-8")
 
 
@@ -197,7 +198,7 @@ def run(route: str, body, tokenizer, limits: Limits, max_seq_len: int):
     """The handler's path from a JSON value to prompts; checks whichever way it ends."""
     try:
         if route == "native":
-            req = api.parse_native(body, limits, DEFAULTS)
+            req = native_api.parse(body, limits, DEFAULTS)
         else:
             req = openai_api.parse(route, body, "llama", limits, DEFAULTS)
         prepared = api.sequences(req, tokenizer, max_seq_len, limits, DEFAULTS)
@@ -319,7 +320,7 @@ def test_fuzzing_reaches_both_outcomes(tokenizer):
             outcomes[route].add("accepted")
             return
         try:
-            (api.parse_native(body, CONTEXTS[1][0], DEFAULTS) if route == "native"
+            (native_api.parse(body, CONTEXTS[1][0], DEFAULTS) if route == "native"
              else openai_api.parse(route, body, "llama", CONTEXTS[1][0], DEFAULTS))
             outcomes[route].add("refused: context")
         except RequestError as e:
@@ -337,9 +338,9 @@ def test_fuzzing_reaches_both_outcomes(tokenizer):
 def test_tiny_temperature_is_greedy(temperature):
     """logits / 1e-40 overflows float32, and the NaN that sampling met failed the request and
     left its KV-cache slot taken (every later step failed): such temperatures decode greedily."""
-    req = api.parse_native({"prompt": "a", "temperature": temperature}, Limits(), DEFAULTS)
+    req = native_api.parse({"prompt": "a", "temperature": temperature}, Limits(), DEFAULTS)
     assert req.sampling["temperature"] == 0.0
-    assert api.parse_native({"prompt": "a", "temperature": 1e-4}, Limits(), DEFAULTS).sampling["temperature"] == 1e-4
+    assert native_api.parse({"prompt": "a", "temperature": 1e-4}, Limits(), DEFAULTS).sampling["temperature"] == 1e-4
 
 
 def test_failed_prefill_frees_its_blocks(demo_llama, monkeypatch):
@@ -356,7 +357,7 @@ def test_failed_prefill_frees_its_blocks(demo_llama, monkeypatch):
     jobs = h.requests.jobs
 
     def job(body):
-        req = api.parse_native(body, limits, DEFAULTS)
+        req = native_api.parse(body, limits, DEFAULTS)
         j = api.Job(req, True, api.sequences(req, demo_llama.tokenizer, engine.max_seq_len, limits, DEFAULTS), {})
         j.seqs = [engine.add(tokens, params) for tokens, params in j.prompts]
         return j
@@ -392,7 +393,7 @@ def test_stop_strings_are_capped(route):
     is accepted. Unbounded ones made the hold-back check cost seconds per iteration."""
     def parse(stop):
         body = {"prompt": "a", "stop": stop}
-        return (api.parse_native(body, Limits(), DEFAULTS) if route == "native"
+        return (native_api.parse(body, Limits(), DEFAULTS) if route == "native"
                 else openai_api.parse(route, body, "llama", Limits(), DEFAULTS))
 
     limit = api.MAX_STOP_CHARS

@@ -52,14 +52,15 @@ def test_a_cycle_is_found():
 
 
 def test_both_apis_implement_the_answer_format():
-    """The handler asks the native API (api) and the OpenAI one (openai_api) the same
-    things (api.Format), with the same parameters."""
+    """The handler asks the native API (native_api) and the OpenAI one (openai_api) the
+    same things (api.Format), with the same parameters."""
     import inspect
 
     import api
+    import native_api
     import openai_api
 
-    for module in (api, openai_api):
+    for module in (native_api, openai_api):
         assert isinstance(module, api.Format), module.__name__
         for name in ("answer", "chunk", "last_chunks", "error", "error_tail"):
             wanted = list(inspect.signature(getattr(api.Format, name)).parameters)[1:]  # less self
