@@ -307,10 +307,11 @@ def test_bytes_to_prompts(tokenizer, route, data, context):
 
 def test_fuzzing_reaches_both_outcomes(tokenizer):
     """The strategies are worth their time: they produce accepted requests as well as refusals
-    of many kinds, on both APIs."""
+    of many kinds, on both APIs. About one native body in 25 is accepted since messages may
+    carry role and content alone: 1000 examples give each route hundreds."""
     outcomes = {"native": set(), "completions": set(), "chat": set()}
 
-    @settings(max_examples=300, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=1000, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(route=st.sampled_from(sorted(outcomes)), data=st.data())
     def collect(route, data):
