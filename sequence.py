@@ -86,11 +86,10 @@ class Sequence:
             if self.stop_ends is None:
                 self.stop_ends = StopEnds(self.params.stop)
             self.stop_ends.feed(piece)
-        if len(self.tokens) < self.params.min_tokens:
+        if self.stop_ends is None or len(self.tokens) < self.params.min_tokens:
             self.text += piece
             return
-        longest = max(map(len, self.params.stop), default=0)
-        start = max(0, len(self.text) - longest + 1)
+        start = max(0, len(self.text) - self.stop_ends.longest + 1)
         self.text += piece
         cut = min((i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0), default=-1)
         if cut >= 0:
