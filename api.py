@@ -203,22 +203,40 @@ def get_token_ids(body: dict, name: str, max_count: int) -> tuple[int, ...]:
 
 
 def get_logit_bias(body: dict, name: str = "logit_bias") -> dict[int, float]:
-    """OpenAI's logit_bias: {"token id": bias from -100 to 100}."""
+    """OpenAI's logit_bias: {"token id": bias from -100 to 100}. An error names every bad key
+    and value, so that one answer tells all there is to fix."""
     value = body.get(name)
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise RequestError(f"{name} must be an object mapping token ids to biases, got {type_name(value)}", name)
-    bias = {}
-    for key, b in value.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
-            raise RequestError(f"{name} keys must be token ids (strings of digits), got {key!r}", name)
-        b = value[key]
-        if not isinstance(b, (int, float)) or isinstance(b, bool) or not math.isfinite(b) or not -100 <= b <= 100:
-            got = b if isinstance(b, (int, float)) and not isinstance(b, bool) else type_name(b)
-            raise RequestError(f"{name}[{key!r}] must be a number from -100 to 100, got {got}", name)
-        bias[int(key)] = float(b)
-    return bias
+    bad_keys = [repr(key) for key in value if not is_token_key(key)]
+    bad_values = [f"{shown(b)} for {key!r}" for key, b in value.items() if not is_bias(b)]
+    problems = []
+    if bad_keys:
+        problems.append(f"keys must be token ids (strings of digits), got {', '.join(bad_keys)}")
+    if bad_values:
+        problems.append(f"values must be numbers from -100 to 100, got {', '.join(bad_values)}")
+    if problems:
+        raise RequestError(f"{name} {'; '.join(problems)}", name)
+    return {int(key): float(b) for key, b in value.items()}
+
+
+def is_token_key(key) -> bool:
+    return isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_bias(value) -> bool:
+    return is_number(value) and math.isfinite(value) and -100 <= value <= 100
+
+
+def shown(value) -> str:
+    """A bad value in an error: a number as it is, anything else by its type."""
+    return str(value) if is_number(value) else type_name(value)
 
 
 def get_dialog(body: dict, name: str, limits: Limits) -> list:
@@ -288,9 +306,11 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
 
 
 def check_token_ids(ids, n_words: int, param: str):
-    for t in ids:
-        if not 0 <= t < n_words:
-            raise RequestError(f"{param} holds token id {t}; the vocabulary has ids 0 to {n_words - 1}", param)
+    """Every id in the vocabulary; an error names each one that is not (once)."""
+    bad = [str(t) for t in dict.fromkeys(ids) if not 0 <= t < n_words]
+    if bad:
+        raise RequestError(f"{param} holds token id{'s' * (len(bad) > 1)} {', '.join(bad)}; the vocabulary has "
+                           f"ids 0 to {n_words - 1}", param)
 
 
 def sequences(req: Request, tokenizer, max_seq_len: int, limits: Limits,

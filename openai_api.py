@@ -85,8 +85,10 @@ def chat_messages(body: dict, limits: Limits) -> list:
 # --- answers ---------------------------------------------------------------------------
 
 def usage(req: Request, seqs: list[Sequence]) -> dict:
+    """Token counts; completion_tokens counts every token the choices return: a completion's
+    end with the stop id that ended it (as vLLM's do), a chat message's do not (as OpenAI's)."""
     prompt = sum(len(s.prompt_tokens) for s in seqs[::req.n])  # each prompt once, whatever n
-    completion = sum(len(s.tokens) for s in seqs)
+    completion = sum(len(s.tokens if req.chat else s.sampled) for s in seqs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

@@ -18,6 +18,13 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/predictions/llama/1.0/v1", api_key=server.key, max_retries=0)
 
 
+def with_stop_id(native: dict) -> int:
+    """The completion tokens of OpenAI's completion of a native answer: OpenAI's count the stop
+    id that ended the choice (as vLLM's do), the native API's do not (as Meta's reference);
+    without stop strings, finish_reason "stop" means a stop id."""
+    return native["usage"]["completion_tokens"] + (native["finish_reason"] == "stop")
+
+
 def test_completions_equal_native(server, client):
     native = server.generate({"prompt": [PROMPT, "Once upon a time"], "temperature": 0, "max_new_tokens": 20})
     result = client.completions.create(model="llama", prompt=[PROMPT, "Once upon a time"], max_tokens=20,
@@ -27,7 +34,7 @@ def test_completions_equal_native(server, client):
     assert [c.index for c in result.choices] == [0, 1]
     assert result.object == "text_completion" and result.model == "llama" and result.id.startswith("cmpl-")
     assert result.usage.prompt_tokens == sum(n["usage"]["prompt_tokens"] for n in native)
-    assert result.usage.completion_tokens == sum(n["usage"]["completion_tokens"] for n in native)
+    assert result.usage.completion_tokens == sum(with_stop_id(n) for n in native)
     assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
 
 
@@ -50,7 +57,7 @@ def test_completion_streaming(server, client):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == native["generation"]
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == [native["finish_reason"]]
-    assert chunks[-1].usage.completion_tokens == native["usage"]["completion_tokens"]
+    assert chunks[-1].usage.completion_tokens == with_stop_id(native)
 
 
 def test_chat_streaming(server, client):
@@ -78,6 +85,11 @@ def test_options_stop_seed_logprobs(server, client, demo_llama):
     assert len(lp.tokens) == len(lp.token_logprobs) == scored.usage.prompt_tokens + scored.usage.completion_tokens
     local = demo_llama.text_completion([PROMPT], 5, temperature=0, logprobs=True, echo=True)[0]["logprobs"]
     assert lp.token_logprobs[0] is None and lp.token_logprobs[1:] == pytest.approx(local[1:], abs=1e-3)
+    # vLLM's test: usage counts every token of the logprobs, the stop ids that ended choices included
+    sampled = client.completions.create(model="llama", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=13,
+                                        n=3, logprobs=0)
+    assert any(c.finish_reason == "stop" for c in sampled.choices)  # a stop id ended one (no stop strings)
+    assert sampled.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in sampled.choices)
     chat = client.chat.completions.create(model="llama", messages=MESSAGES, max_tokens=5, temperature=0,
                                           logprobs=True)
     assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
@@ -135,6 +147,7 @@ def test_models(client):
     ({"messages": MESSAGES, "presence_penalty": 2.5}, "presence_penalty", "presence_penalty must be in"),
     ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
     ({"messages": MESSAGES, "logit_bias": {"99999": 1}}, "logit_bias", "vocabulary has ids 0 to 4095"),
+    ({"messages": MESSAGES, "logit_bias": {"bad1": 50, "bad2": 20}}, "logit_bias", "got 'bad1', 'bad2'"),
 ])
 def test_chat_bad_requests(client, kwargs, param, words):
     with pytest.raises(openai.BadRequestError) as e:

@@ -13,7 +13,6 @@ import requests
 import torch
 import torch.nn.functional as F
 
-import api
 import chat_format
 import generate as G
 
@@ -138,8 +137,8 @@ def test_max_tokens_zero_scores_the_prompt(client, demo_llama):
 
 
 def test_stop_token_ends_and_is_in_the_logprobs(client, demo_llama):
-    """A stop id ends the text before it; the completion's logprobs end with it (as vLLM's do),
-    and usage does not count it."""
+    """A stop id ends the text before it; the completion's logprobs end with it, and usage
+    counts it, as vLLM's do."""
     tok = demo_llama.tokenizer
     full = client.completions.create(model="llama", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0)
     ids = G.generate(demo_llama, [tok.encode(PROMPT, bos=True, eos=False)], 8, temperature=0)[0][0]
@@ -148,7 +147,7 @@ def test_stop_token_ends_and_is_in_the_logprobs(client, demo_llama):
     out = client.completions.create(model="llama", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0,
                                     extra_body={"stop_token_ids": [stop]})
     choice = out.choices[0]
-    assert choice.finish_reason == "stop" and out.usage.completion_tokens == cut
+    assert choice.finish_reason == "stop" and out.usage.completion_tokens == cut + 1
     assert choice.logprobs.tokens == [tok.token_str(t) for t in ids[:cut + 1]]
     assert choice.logprobs.token_logprobs == pytest.approx(full.choices[0].logprobs.token_logprobs[:cut + 1], abs=TOL)
     assert choice.logprobs.text_offset[-1] == len(choice.text)
