@@ -9,36 +9,24 @@ handler.overlap, the steps run on the engine's thread between iterations, while 
 carries the messages out and brings the next batch. Requests without a message this time
 are left out of the response, so TorchServe keeps them and sends them again.
 
-torchrun starts one worker per rank, and TorchServe sends every rank each batch, but only
-rank 0's answers go out, and the other ranks' copies cannot be relied on: TorchServe 0.12
-writes each rank's copy from a thread of its own that reads the batch only when it runs
-(WorkerThread.run), so a late one sends the batch after, or none, whenever rank 0 answers
-without waiting for the others. So rank 0 leads: each iteration begins with rank 0 sending
-the batch it got to the other ranks (collectives.broadcast_bytes), which use it instead of
-their own copy. Rank 0 cannot answer before every rank has received that, so each rank's
-copy is the same batch, and every rank does the same work in the same order. Rank 0 also
-reads each new request, renders and tokenizes it, and sends its token ids and settings
-(or only that it was answered at once): what a chat template prints (a date) and how
-special-token text is hidden are decided once, and the other ranks tokenize nothing.
+torchrun starts one worker per rank, and rank 0 leads each iteration: it reads TorchServe's
+batch and every rank runs rank 0's copy (ranks.py says why); loading.py builds the engine.
 """
 
 import logging
 import os
-import pickle
 import time
 
-import torch
-import torch.distributed as dist
 from ts.metrics.metric_type_enum import MetricTypes
 from ts.torch_handler.base_handler import BaseHandler
 
-import chat_format
 import collectives
+import loading
+import ranks
 from api import Job, Message
 from engine import Engine
-from llama2 import tp_llama
 from serving import InFlight
-from serving_config import Machine, ServingConfig
+from serving_config import ServingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +37,7 @@ class LlamaHandler(BaseHandler):
     def initialize(self, ctx):
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.reported = 0.0
+        self.progress = loading.Progress(self.rank, self.world_size)
         try:
             self.load(ctx)
         except Exception as e:
@@ -60,33 +48,9 @@ class LlamaHandler(BaseHandler):
 
     def load(self, ctx):
         config = ServingConfig.from_model_config(ctx.model_yaml_config)  # what make serve checked
-        model_dir = ctx.system_properties["model_dir"]
-        checkpoint = os.path.join(model_dir, config.checkpoint)
-        tokenizer = os.path.join(model_dir, config.tokenizer or config.checkpoint)
         self.max_seq_len = config.max_seq_len
         slots = int(ctx.system_properties.get("batch_size") or 1)  # batchSize: sequences decoded together
-        start = time.perf_counter()
-        llama = tp_llama(None, checkpoint, tokenizer, self.world_size, dtype=config.torch_dtype,
-                         max_batch_size=slots, max_seq_len=self.max_seq_len, kv_cache_bytes=config.kv_cache_bytes,
-                         progress=self.progress, quantization=config.quantization_mode)
-        logger.info("loaded %s on %d rank(s) in %.1f s: %s", checkpoint, self.world_size,
-                    time.perf_counter() - start, llama.model.params)
-        logger.info("tokenizer %s (%s), chat format %s", llama.tokenizer.path, type(llama.tokenizer).__name__,
-                    chat_format.format_name(llama.tokenizer))
-        model = llama.model
-        run = config.resolve(Machine.here(model.tok_embeddings.weight.is_cuda, slots, self.world_size))
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MB on this rank), prefix caching %s, %s",
-                    model.num_blocks, model.block_size, model.num_blocks * model.kv_block_bytes() / 1e6,
-                    "on" if config.prefix_caching else "off", run)
-        engine = Engine(model, llama.tokenizer, slots, run.max_batched_tokens, config.prefix_caching,
-                        threaded=run.overlap)
-        if config.compile:  # on the thread that will run the steps
-            start = time.perf_counter()
-            engine.start(model.compile_decode)
-            engine.wait()
-            self.progress("compiled the decode step", seconds=round(time.perf_counter() - start, 1))
-        else:
-            self.progress("not compiled (handler.compile: false)")
+        engine, run = loading.load(config, ctx.system_properties["model_dir"], slots, self.world_size, self.progress)
         config.limits.max_prompts = min(config.limits.max_prompts, slots)
         self.use_engine(engine, self.in_flight(engine, config.limits, config.defaults, ctx.model_name),
                         run.steps_per_iteration, run.overlap)
@@ -96,17 +60,6 @@ class LlamaHandler(BaseHandler):
         os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
         if self.world_size > 1:
             self.leader = collectives.leader_group()
-
-    def progress(self, stage: str, **figures):
-        """Log a stage of loading on this rank as tools/wait_ready.py reads it, e.g.
-        'loading rank=1/2: weights loaded; bytes=8388608 seconds=0.4'. The bytes read so far
-        go out at most every 2 s."""
-        now = time.monotonic()
-        if stage == "reading checkpoint" and "bytes" in figures and now - self.reported < 2:
-            return
-        self.reported = now
-        text = " ".join(f"{k}={v}" for k, v in figures.items()).replace("\n", " ")
-        logger.info("loading rank=%d/%d: %s%s", self.rank, self.world_size, stage, f"; {text}" if text else "")
 
     def use_engine(self, engine: Engine, requests: InFlight, steps_per_iteration: tuple[int, int, float] = (1, 1, 0.0),
                    overlap: bool = True):
@@ -130,11 +83,7 @@ class LlamaHandler(BaseHandler):
         immediate = {}
         batch = self.read_batch(data, immediate) if self.rank0 else None
         if self.leader is not None:
-            try:  # pickle: rank 0's own objects, to the ranks of its own worker
-                batch = pickle.loads(collectives.broadcast_bytes(pickle.dumps(batch) if self.rank0 else None,
-                                                                 self.leader))
-            except Exception:
-                exit_for_a_restart("lost a rank")
+            batch = ranks.broadcast_batch(batch, self.leader)
         return self.admit(batch, immediate)
 
     def read_batch(self, data, immediate: dict) -> list[dict]:
@@ -239,29 +188,13 @@ class LlamaHandler(BaseHandler):
             result = self.engine.wait()
         except Exception as e:
             logger.exception("engine step failed")
-            self.exit_if_the_ranks_are_broken(e)
+            ranks.exit_if_broken(e, self.engine.device)
             self.requests.fail_running(e)
             return
         if result is None:
             return
         self.steps, self.engine_ms = result
         self.requests.note_first_tokens(time.perf_counter())
-
-    def exit_if_the_ranks_are_broken(self, error: Exception):
-        """After a failed step: if the ranks can no longer reach each other (one died) or
-        their collectives are out of step, this worker will never decode right again. Exit
-        before answering: TorchServe then fails the requests in flight ("Worker died.") and
-        restarts the worker. A worker that answers first goes back to TorchServe for more,
-        and TorchServe 0.12 loses a request it takes from its queue just as the worker
-        stops: that request is never answered."""
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return
-        if isinstance(error, collectives.OutOfStep):
-            exit_for_a_restart("the tensor-parallel ranks are out of step")
-        try:
-            dist.all_reduce(torch.zeros(1, device=self.engine.device))  # every rank failed alike: fine
-        except Exception:
-            exit_for_a_restart("the tensor-parallel ranks cannot reach each other")
 
     def is_http(self, idx: int) -> bool:
         return any(k.lower() in ("url_path", "host") for k in self.context.get_all_request_header(idx))
@@ -293,9 +226,3 @@ class LlamaHandler(BaseHandler):
             per_token = (time.perf_counter() - job.first_token) / (completion - 1)
             metrics.add_metric("TimePerOutputToken", per_token, "s", metric_type=MetricTypes.HISTOGRAM)
 
-
-def exit_for_a_restart(why: str):
-    """This worker can no longer decode right: exit, and TorchServe fails the requests in
-    flight ("Worker died.") and starts a new one (exit_if_the_ranks_are_broken)."""
-    logger.critical("%s; exiting so that TorchServe restarts the worker", why, exc_info=True)
-    os._exit(1)

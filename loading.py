@@ -1,0 +1,62 @@
+"""Loading one rank of a worker: the model, its tokenizer and the engine that serves them,
+from the handler's settings (ServingConfig), each stage logged for tools/wait_ready.py."""
+
+import logging
+import os
+import time
+
+import chat_format
+from engine import Engine
+from llama2 import tp_llama
+from serving_config import Machine, Resolved, ServingConfig
+
+logger = logging.getLogger(__name__)
+
+
+def load(config: ServingConfig, model_dir: str, slots: int, world_size: int,
+         progress: "Progress") -> tuple[Engine, Resolved]:
+    """The engine of config's checkpoint (relative to model_dir) for slots sequences decoded
+    together (batchSize), and config's auto settings decided for this machine."""
+    checkpoint = os.path.join(model_dir, config.checkpoint)
+    tokenizer = os.path.join(model_dir, config.tokenizer or config.checkpoint)
+    start = time.perf_counter()
+    llama = tp_llama(None, checkpoint, tokenizer, world_size, dtype=config.torch_dtype,
+                     max_batch_size=slots, max_seq_len=config.max_seq_len, kv_cache_bytes=config.kv_cache_bytes,
+                     progress=progress, quantization=config.quantization_mode)
+    logger.info("loaded %s on %d rank(s) in %.1f s: %s", checkpoint, world_size,
+                time.perf_counter() - start, llama.model.params)
+    logger.info("tokenizer %s (%s), chat format %s", llama.tokenizer.path, type(llama.tokenizer).__name__,
+                chat_format.format_name(llama.tokenizer))
+    model = llama.model
+    run = config.resolve(Machine.here(model.tok_embeddings.weight.is_cuda, slots, world_size))
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MB on this rank), prefix caching %s, %s",
+                model.num_blocks, model.block_size, model.num_blocks * model.kv_block_bytes() / 1e6,
+                "on" if config.prefix_caching else "off", run)
+    engine = Engine(model, llama.tokenizer, slots, run.max_batched_tokens, config.prefix_caching,
+                    threaded=run.overlap)
+    if config.compile:  # on the thread that will run the steps
+        start = time.perf_counter()
+        engine.start(model.compile_decode)
+        engine.wait()
+        progress("compiled the decode step", seconds=round(time.perf_counter() - start, 1))
+    else:
+        progress("not compiled (handler.compile: false)")
+    return engine, run
+
+
+class Progress:
+    """Logs a stage of loading on this rank as tools/wait_ready.py reads it, e.g.
+    'loading rank=1/2: weights loaded; bytes=8388608 seconds=0.4'. The bytes read so far
+    go out at most every 2 s."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.reported = 0.0
+
+    def __call__(self, stage: str, **figures):
+        now = time.monotonic()
+        if stage == "reading checkpoint" and "bytes" in figures and now - self.reported < 2:
+            return
+        self.reported = now
+        text = " ".join(f"{k}={v}" for k, v in figures.items()).replace("\n", " ")
+        logger.info("loading rank=%d/%d: %s%s", self.rank, self.world_size, stage, f"; {text}" if text else "")
