@@ -1,0 +1,220 @@
+"""Structured outputs: a generation constrained, token by token, to a JSON schema, any JSON
+object, a regular expression, one of given strings or a grammar, by llguidance
+(https://github.com/guidance-ai/llguidance), which walks the grammar over the tokenizer's
+token trie to say which tokens may come next.
+
+For each constrained sequence, a step: Matcher.fill_bitmask writes the sequence's row of a
+bitmask (one bit per token id) on the CPU, without the GIL, so it can run while the forward
+pass does (fill_bitmasks: many rows in parallel); apply_bitmask sets the logits of the
+tokens it forbids to -inf; Matcher.consume takes the sampled token. A stop token is allowed
+only where the grammar accepts, and once the grammar is finished nothing else is.
+"""
+
+import functools
+import json
+from dataclasses import dataclass
+
+import torch
+from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer, TokenizerWrapper, grammar_from
+from llguidance.tiktoken import lltokenizer_from_encoding
+
+from tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# JSON whitespace: one run of at most 24 blanks and line breaks wherever JSON allows it,
+# enough to indent nested JSON, too little for a model (or random sampling) to go on forever
+JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,24}"}
+GRAMMAR_CACHE_SIZE = 256
+LIMITS = LLParserLimits(verbose_errors=False)  # errors say what is wrong, not the parser's state
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a generation must be. kind and value:
+    - json_schema: the schema (a dict, or its JSON text);
+    - json_object: any JSON object (no value);
+    - regex: a pattern in Rust's regex syntax, which the whole text matches;
+    - choice: a list of strings, exactly one of which is the text;
+    - grammar: a Lark grammar in llguidance's syntax, or a GBNF grammar (llama.cpp's)."""
+
+    kind: str
+    value: object = None
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """llguidance's grammar for constraint (not compiled yet). Raises ValueError for a value
+    of the wrong type or an unknown kind."""
+    kind, value = constraint.kind, constraint.value
+    if kind == "json_schema":
+        return LLMatcher.grammar_from_json_schema(schema_dict(value), defaults=JSON_OPTIONS)
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(text_value(kind, value))
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise ValueError("choice: expected a non-empty list of strings")
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
+    if kind == "grammar":
+        return grammar_from("grammar", text_value(kind, value))  # GBNF is converted to Lark
+    raise ValueError(f"unknown constraint kind {kind!r}: expected one of {', '.join(KINDS)}")
+
+
+def schema_dict(schema) -> dict:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema: not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError("json_schema: expected a JSON object")
+    return schema
+
+
+def text_value(kind: str, value) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{kind}: expected a string")
+    return value
+
+
+# --- the tokenizer as llguidance sees it -------------------------------------------------------
+
+class Vocabulary:
+    """A tokenizer's tokens in llguidance, with the model's vocabulary size: the ids past the
+    tokenizer's (padding rows of the embedding) are never allowed. Make one per tokenizer with
+    vocabulary(); it compiles constraints into matchers."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        if vocab_size < tokenizer.n_words:
+            raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer.n_words}")
+        self.vocab_size = vocab_size
+        self.ll = ll_tokenizer(tokenizer, vocab_size)
+
+    def matcher(self, constraint: Constraint) -> "Matcher":
+        """A new sequence's matcher. Raises ValueError, saying what is wrong, for a constraint
+        that does not compile."""
+        return Matcher(compiled(self.ll, grammar_text(constraint)).deep_copy())
+
+
+@functools.cache
+def vocabulary(tokenizer: Tokenizer, vocab_size: int) -> Vocabulary:
+    return Vocabulary(tokenizer, vocab_size)  # about a second for 128k tokens: once
+
+
+@functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
+def compiled(ll: LLTokenizer, grammar: str) -> LLMatcher:
+    """A matcher at the start of grammar: the compiled grammar, which matchers copy."""
+    matcher = LLMatcher(ll, grammar, log_level=0, limits=LIMITS)
+    if matcher.is_error():
+        raise ValueError(matcher.get_error())
+    return matcher
+
+
+def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> LLTokenizer:
+    """llguidance's tokenizer for ours. The tiktoken and Hugging Face ones are llguidance's
+    own (Rust, so computing a mask never needs the GIL, and text it forces is tokenized as the
+    tokenizer would)."""
+    stops = sorted(tokenizer.stop_ids) or None
+    if isinstance(tokenizer, HFTokenizer):
+        return LLTokenizer(tokenizer.path, n_vocab=vocab_size, eos_token=stops)
+    if isinstance(tokenizer, TiktokenTokenizer):
+        return lltokenizer_from_encoding(tokenizer.model, n_vocab=vocab_size, eos_token=stops)
+    table = SentencePieceTable(tokenizer, vocab_size)
+    ll = LLTokenizer(TokenizerWrapper(table), eos_token=stops)
+    table.tokenize = ll.greedy_tokenize
+    return ll
+
+
+class SentencePieceTable:
+    """What llguidance's TokenizerWrapper reads of a sentencepiece tokenizer: each id's bytes
+    (none for padding ids, which llguidance then never allows), which ids are special, eos,
+    bos, and a tokenize function for text the grammar forces. sentencepiece's own encoding
+    starts with a space that the text does not have, so that text is cut greedily into the
+    longest tokens instead (by llguidance's trie, once it is built)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        sp = tokenizer.sp_model
+        n = tokenizer.n_words
+        self.tokens = [tokenizer.token_bytes(i) for i in range(n)] + [b""] * (vocab_size - n)
+        self.special_token_ids = [i for i in range(n) if sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)]
+        self.eos_token_id = tokenizer.eos_id
+        self.bos_token_id = tokenizer.bos_id if tokenizer.bos_id >= 0 else None
+        self.tokenize = None
+
+    def __call__(self, text: str) -> list[int]:
+        return self.tokenize(text)
+
+
+# --- one sequence ------------------------------------------------------------------------------
+
+class Matcher:
+    """Where one sequence is in its grammar."""
+
+    def __init__(self, ll: LLMatcher):
+        self.ll = ll
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int):
+        """Writes the tokens allowed next into bitmask[row] (bit b of word w: token 32w + b),
+        without holding the GIL. bitmask: from new_bitmask."""
+        check_bitmask(bitmask)
+        self.ll.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), bitmask.shape[1] * 4)
+
+    def consume(self, token: int) -> bool:
+        """Moves past the sampled token; False if the grammar forbids it, after which only stop
+        tokens are allowed (error() says why)."""
+        return self.ll.consume_token(token)
+
+    def is_accepting(self) -> bool:
+        """The text so far is complete: a stop token may end it here."""
+        return self.ll.is_accepting()
+
+    def is_finished(self) -> bool:
+        """Nothing but a stop token may follow (the grammar is complete, or broken)."""
+        return self.ll.is_stopped()
+
+    def error(self) -> str:
+        """Why the grammar broke ('' while it is not): a forbidden token, or too complex a step."""
+        return self.ll.get_error()
+
+    def rollback(self, n: int):
+        """Forgets the last n tokens consumed (draft tokens that were rejected)."""
+        if not self.ll.rollback(n):
+            raise RuntimeError(f"cannot roll back {n} tokens: {self.ll.get_error()}")
+
+
+# --- bitmasks and logits -----------------------------------------------------------------------
+
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """A bitmask (rows, words) with every token allowed: the rows of unconstrained sequences
+    stay so."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def check_bitmask(bitmask: torch.Tensor):
+    # llguidance writes through the pointer: anything but a contiguous CPU int32 tensor is memory corruption
+    cpu_int32 = bitmask.dtype == torch.int32 and bitmask.device.type == "cpu"
+    if not cpu_int32 or not bitmask.is_contiguous() or bitmask.dim() != 2:
+        raise ValueError("a bitmask is a contiguous 2-D int32 tensor on the CPU (new_bitmask)")
+
+
+@functools.cache
+def executor() -> LLExecutor:
+    return LLExecutor()  # threads: 80% of the cores, at most 32
+
+
+def fill_bitmasks(bitmask: torch.Tensor, rows: list[tuple[Matcher, int]]):
+    """Matcher.fill_bitmask for each (matcher, row), in parallel on llguidance's threads."""
+    check_bitmask(bitmask)
+    if rows:
+        executor().unsafe_compute_mask_ptr([(m.ll, row) for m, row in rows], bitmask.data_ptr(),
+                                           bitmask.shape[1] * 4, bitmask.shape[0])
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor):
+    """logits (rows, vocab), on any device, set to -inf in place where bitmask's bit is 0."""
+    rows, vocab = logits.shape
+    if bitmask.shape != (rows, (vocab + 31) // 32):
+        raise ValueError(f"bitmask {tuple(bitmask.shape)} does not fit logits {tuple(logits.shape)}")
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = (bitmask.to(logits.device, non_blocking=True).unsqueeze(-1) >> bits) & 1
+    logits.masked_fill_(allowed.flatten(1)[:, :vocab] == 0, float("-inf"))
