@@ -218,7 +218,7 @@ class LlamaHandler(BaseHandler):
         metrics = self.context.metrics
         completion = max(len(s.tokens) for s in job.seqs)
         metrics.add_counter("PromptTokens", sum(len(s.prompt_tokens) for s in job.seqs[::job.request.n]))
-        metrics.add_counter("CompletionTokens", sum(len(s.tokens) for s in job.seqs))
+        metrics.add_counter("CompletionTokens", sum(len(s.sampled) for s in job.seqs))  # stop ids too
         # Seconds: TorchServe 0.12 gives histograms Prometheus' default buckets (5 ms to 10 s)
         # and has no setting for others, so milliseconds would all land in +Inf.
         metrics.add_metric("TimeToFirstToken", job.first_token - job.arrival, "s", metric_type=MetricTypes.HISTOGRAM)

@@ -23,6 +23,9 @@ class RuntimeOnly:
     def invalidate_caches(self):
         PathFinder.invalidate_caches()
 
+    def find_distributions(self, *args, **kwargs):  # importlib.metadata (llguidance reads its version)
+        return PathFinder.find_distributions(*args, **kwargs)
+
 
 if os.environ.get("LLAMA_RUNTIME_MODULES"):
     with open(os.environ["LLAMA_RUNTIME_MODULES"]) as f:
