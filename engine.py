@@ -28,18 +28,18 @@ from tokenizer import TextStream
 
 
 class Engine:
-    def __init__(self, model, tokenizer, max_seqs: int | None = None, max_batched_tokens: int = 0,
+    def __init__(self, runner, tokenizer, max_seqs: int | None = None, max_batched_tokens: int = 0,
                  prefix_caching: bool = True, threaded: bool = True):
-        """max_seqs: the most sequences decoded together (default: the model's
-        max_batch_size); max_batched_tokens: the most tokens one step computes (0: no
+        """runner: the model and its KV cache (runner.ModelRunner). max_seqs: the most
+        sequences decoded together (default: the runner's max_batch_size); max_batched_tokens: the most tokens one step computes (0: no
         limit); prefix_caching: reuse the cached blocks that a prompt starts with;
         threaded: start() runs on a thread of the engine's own (else at once, on the
         caller's: a server whose steps run in turn with its own work)."""
-        self.model, self.tokenizer = model, tokenizer
-        self.device = model.tok_embeddings.weight.device
-        self.max_seq_len = model.params.max_seq_len
-        self.pool = BlockPool(model.num_blocks, model.block_size, prefix_caching)
-        self.scheduler = Scheduler(self.pool, max_seqs or model.params.max_batch_size, max_batched_tokens)
+        self.runner, self.tokenizer = runner, tokenizer
+        self.device = runner.device
+        self.max_seq_len = runner.max_seq_len
+        self.pool = BlockPool(runner.num_blocks, runner.block_size, prefix_caching)
+        self.scheduler = Scheduler(self.pool, max_seqs or runner.max_batch_size, max_batched_tokens)
         self.ids = itertools.count()
         # The model runs on a thread of the engine's own (start, wait), so that a server's
         # round trip overlaps the steps; torch captures and replays CUDA graphs per thread,
@@ -85,7 +85,7 @@ class Engine:
 
     def prepare(self, seq: Sequence):
         """The sampling state that the sequence's settings need."""
-        p, vocab = seq.params, self.model.vocab_size
+        p, vocab = seq.params, self.runner.vocab_size
         seq.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.tokenizer.stop_ids)
         if p.logit_bias:
             seq.bias = torch.zeros(vocab, device=self.device)
@@ -101,7 +101,7 @@ class Engine:
             self.scheduler.remove(seq)
 
     def start(self, fn, *args):
-        """fn(*args) (run(), or the model's compile_decode) on the engine's thread, or now on
+        """fn(*args) (run(), or the runner's compile_decode) on the engine's thread, or now on
         this one (threaded=False). Until wait(), the caller touches neither the engine nor
         its sequences."""
         assert self.pending is None, "wait() for what the engine runs before starting more"
@@ -153,7 +153,7 @@ class Engine:
         if not work:
             return False
         batch, rows = self.batch(work)
-        logits = self.model.forward_batch(batch)
+        logits = self.runner.forward_batch(batch)
         to_sample = []
         for w, (first, last) in zip(work, rows):
             seq = w.seq

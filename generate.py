@@ -47,10 +47,20 @@ def sample_top_p(probs: torch.Tensor, p, generator: torch.Generator | None = Non
     return torch.gather(probs_idx, -1, next_token)
 
 
+def runner_of(model):
+    """The runner.ModelRunner to run: a Llama's (tp_llama's, or llama2.Llama(model,
+    tokenizer)), or model itself."""
+    runner = getattr(model, "runner", model)
+    if not hasattr(runner, "forward_batch"):
+        raise TypeError(f"expected a Llama or a ModelRunner, got {type(model).__name__} (a bare Transformer has no "
+                        "KV cache: wrap it as llama2.Llama(model, tokenizer))")
+    return runner
+
+
 def run_to_completion(engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
     """Meta's semantics: the whole batch at once, at most max_batch_size prompts."""
     if len(prompts) > engine.scheduler.max_seqs:
-        raise ValueError(f"{len(prompts)} prompts exceed max_batch_size {engine.model.params.max_batch_size}")
+        raise ValueError(f"{len(prompts)} prompts exceed max_batch_size {engine.scheduler.max_seqs}")
     for tokens, p in zip(prompts, params):  # all checks before any work
         engine.check(tokens, p)
     seqs = [engine.add(tokens, p) for tokens, p in zip(prompts, params)]
@@ -81,15 +91,15 @@ def generate(model, prompt_tokens: list[list[int]], max_gen_len: int, temperatur
              top_p: float = 0.9, logprobs: bool = False, echo: bool = False, *, tokenizer=None, **options) -> tuple:
     """Generate for a batch of prompts. Returns (tokens, logprobs or None) per prompt, as
     Meta's reference does: new tokens (after the prompt when echo), cut before EOS.
-    model: the Llama that tp_llama returns (its tokenizer is used), or a Transformer with
-    tokenizer=. options: SamplingParams fields (top_k, seed, stop, penalties, ...). More
+    model: the Llama that tp_llama returns (its tokenizer is used), or a runner.ModelRunner
+    with tokenizer=. options: SamplingParams fields (top_k, seed, stop, penalties, ...). More
     prompts than max_batch_size, or a prompt plus max_gen_len beyond max_seq_len, raise
     ValueError."""
     if tokenizer is None:
         if not hasattr(model, "tokenizer"):
-            raise TypeError("generate() needs tokenizer= with a bare Transformer (a Llama brings its own)")
-        model, tokenizer = model.model, model.tokenizer
-    engine = Engine(model, tokenizer)
+            raise TypeError("generate() needs tokenizer= with a ModelRunner (a Llama brings its own)")
+        tokenizer = model.tokenizer
+    engine = Engine(runner_of(model), tokenizer)
     params = sampling_params(prompt_tokens, engine.max_seq_len, max_gen_len, temperature=temperature,
                              top_p=top_p, logprobs=logprobs, echo=echo, **options)
     seqs = run_to_completion(engine, prompt_tokens, params)
@@ -122,7 +132,7 @@ def text_completion(model, tokenizer, prompts: list[str], max_gen_len=None, temp
     """Complete each prompt. max_gen_len: int, one per prompt, or None (to the end of the
     context). options: top_k, seed, stop (strings; the text is cut before them)."""
     prompt_tokens = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
-    engine = Engine(model, tokenizer)
+    engine = Engine(runner_of(model), tokenizer)
     params = sampling_params(prompt_tokens, engine.max_seq_len, max_gen_len, temperature=temperature,
                              top_p=top_p, logprobs=logprobs, echo=echo, **options)
     seqs = run_to_completion(engine, prompt_tokens, params)
@@ -134,7 +144,7 @@ def chat_completion(model, tokenizer, dialogs: list[Dialog], max_gen_len=None, t
                     top_p: float = 0.9, logprobs: bool = False, **options) -> list[ChatPrediction]:
     """Answer each dialog as the assistant, in the checkpoint's chat format (chat_format.py)."""
     prompt_tokens = [chat_format.encode_dialog(tokenizer, d) for d in dialogs]
-    engine = Engine(model, tokenizer)
+    engine = Engine(runner_of(model), tokenizer)
     params = sampling_params(prompt_tokens, engine.max_seq_len, max_gen_len, temperature=temperature,
                              top_p=top_p, logprobs=logprobs, continue_prompt=False, **options)
     seqs = run_to_completion(engine, prompt_tokens, params)

@@ -27,16 +27,16 @@ def load(config: ServingConfig, model_dir: str, slots: int, world_size: int,
                 time.perf_counter() - start, llama.model.params)
     logger.info("tokenizer %s (%s), chat format %s", llama.tokenizer.path, type(llama.tokenizer).__name__,
                 chat_format.format_name(llama.tokenizer))
-    model = llama.model
-    run = config.resolve(Machine.here(model.tok_embeddings.weight.is_cuda, slots, world_size))
+    runner = llama.runner
+    run = config.resolve(Machine.here(runner.device.type == "cuda", slots, world_size))
     logger.info("KV cache: %d blocks of %d tokens (%.1f MB on this rank), prefix caching %s, %s",
-                model.num_blocks, model.block_size, model.num_blocks * model.kv_block_bytes() / 1e6,
+                runner.num_blocks, runner.block_size, runner.kv_cache_bytes() / 1e6,
                 "on" if config.prefix_caching else "off", run)
-    engine = Engine(model, llama.tokenizer, slots, run.max_batched_tokens, config.prefix_caching,
+    engine = Engine(runner, llama.tokenizer, slots, run.max_batched_tokens, config.prefix_caching,
                     threaded=run.overlap)
     if config.compile:  # on the thread that will run the steps
         start = time.perf_counter()
-        engine.start(model.compile_decode)
+        engine.start(runner.compile_decode)
         engine.wait()
         progress("compiled the decode step", seconds=round(time.perf_counter() - start, 1))
     else:

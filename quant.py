@@ -147,7 +147,7 @@ def check(model: nn.Module, mode: str, group_size: int = INT4_GROUP_SIZE):
 
 @torch.no_grad()
 def quantize(model: nn.Module, mode: str, group_size: int = INT4_GROUP_SIZE, fill=None):
-    """Replace the projections of model (a llama2.Transformer, sharded or not) by quantized
+    """Replace the projections of model (a model.Transformer, sharded or not) by quantized
     ones, in place, one module at a time. fill(name, module), when given, first allocates and
     loads the parameters of each module that has its own (load_quantized's does): the model
     can then start on the meta device, and at most one projection is ever in full precision."""
@@ -168,7 +168,7 @@ def quantize(model: nn.Module, mode: str, group_size: int = INT4_GROUP_SIZE, fil
 
 def load_quantized(model: nn.Module, reader, plan: dict, device: torch.device, mode: str, progress=None) -> int:
     """Fill model, sharded on the meta device, from a checkpoint reader (checkpoint.py) by plan
-    (llama2.weight_plan), quantizing each projection as soon as it is read: the peak is the
+    (tp.weight_plan), quantizing each projection as soon as it is read: the peak is the
     quantized model plus one projection in full precision (and the reader's temporaries).
     Returns the bytes read; progress, if given, is called with the bytes read so far."""
     read = 0

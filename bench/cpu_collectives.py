@@ -66,7 +66,7 @@ def rank_decode(ckpt: str) -> dict:
     from sequence import SamplingParams
 
     llama = llama2.tp_llama(None, ckpt, None, int(os.environ["WORLD_SIZE"]), max_batch_size=8, max_seq_len=512)
-    engine = Engine(llama.model, llama.tokenizer)
+    engine = Engine(llama.runner, llama.tokenizer)
     prompts = serving.make_prompts(8, 32, 32, serving.TOKENIZER, 0)
     out = {}
     for batch in (1, 8):
@@ -90,10 +90,10 @@ def rank_main(out: str, what: str, *args):
     import torch
     import torch.distributed as dist
 
-    import llama2
+    import tp
 
     torch.set_num_threads(1)
-    llama2.init_distributed(int(os.environ["WORLD_SIZE"]))
+    tp.init_distributed(int(os.environ["WORLD_SIZE"]))
     result = rank_all_reduce() if what == "all_reduce" else rank_decode(*args)
     if dist.get_rank() == 0:
         with open(out, "w") as f:

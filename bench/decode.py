@@ -116,38 +116,38 @@ def in_process(name: str, hf, folder: str, reps: int) -> dict:
                                quantization=quantization)
 
     llama = load(None)
-    model = llama.model
-    result = {"params": sum(p.numel() for p in model.parameters()), "step_bytes": {}, "compile_s": {},
+    runner = llama.runner
+    result = {"params": sum(p.numel() for p in llama.model.parameters()), "step_bytes": {}, "compile_s": {},
               "rows": {b: {} for b in BATCHES}}
     reference = {}
     for batch in BATCHES:
-        p = prompts(batch, model.vocab_size)
+        p = prompts(batch, runner.vocab_size)
         reference[batch] = hf_generate(hf, p)
         t = median_time(lambda: hf_generate(hf, p), reps)
         result["rows"][batch]["transformers"] = {"tokens_s": batch * NEW / t}
     for batch in BATCHES:
-        result["rows"][batch]["matmul_ms"] = matmul_ms(model, batch)
+        result["rows"][batch]["matmul_ms"] = matmul_ms(llama.model, batch)
     for variant, _, quantization, compiled in VARIANTS:
         if quantization is not None and not compiled:  # each quantization's eager variant comes first
-            model = load(quantization).model
-        result["step_bytes"][quantization] = step_bytes(model)
+            runner = load(quantization).runner
+        result["step_bytes"][quantization] = step_bytes(runner.model)
         if compiled:
             torch._dynamo.reset()  # compile_decode is meant for one model per process
             start = time.perf_counter()
-            model.compile_decode()  # compiles its three graphs before it returns
+            runner.compile_decode()  # compiles its three graphs before it returns
             result["compile_s"][quantization] = time.perf_counter() - start
         tokenizer = NoEos(llama.tokenizer)
         for batch in BATCHES:
-            p = prompts(batch, model.vocab_size)
-            same = same_greedy(generate.generate(model, p, NEW, temperature=0.0, tokenizer=tokenizer)[0],
+            p = prompts(batch, runner.vocab_size)
+            same = same_greedy(generate.generate(runner, p, NEW, temperature=0.0, tokenizer=tokenizer)[0],
                                reference[batch], llama.tokenizer.eos_id)
             if same == "no" and quantization is None:
                 print(f"WARNING: {name} batch {batch} {variant}: our greedy tokens differ from transformers'",
                       file=sys.stderr)
             result["rows"][batch][variant] = {
-                "tokens_s": generate_tokens_per_s(model, tokenizer, batch, reps), "same_tokens": same,
-                "step_ms": step_ms(model, batch),
-                "staggered_ms": step_ms(model, batch, staggered=True) if batch > 1 else None}
+                "tokens_s": generate_tokens_per_s(runner, tokenizer, batch, reps), "same_tokens": same,
+                "step_ms": step_ms(runner, batch),
+                "staggered_ms": step_ms(runner, batch, staggered=True) if batch > 1 else None}
     print(f"{name}: {result}", file=sys.stderr)
     return result
 
@@ -194,7 +194,7 @@ def section(info: str, bw: dict, cold: tuple, results: dict, tp: dict, elapsed: 
         + ", ".join(f"{name} has {r['params'] / 1e6:.1f}M parameters" for name, r in results.items())
         + "). "
         "tokens/s = batch × 64 / wall time of the whole call, prefill included; median of the repetitions after "
-        "a warm-up. *ours* is generate.generate, eager or after Transformer.compile_decode(); *transformers* is "
+        "a warm-up. *ours* is generate.generate, eager or after ModelRunner.compile_decode(); *transformers* is "
         "LlamaForCausalLM.generate on the same weights (use_cache=True, do_sample=False, min_new_tokens=64). "
         "*step* is one Transformer.forward of one token per row (median over positions 32–95); *staggered*: "
         "row i is i positions behind row 0, as sequences that started at different times are (a mask, and "

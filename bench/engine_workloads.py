@@ -327,7 +327,7 @@ def in_process_rank(ckpt: str, folder: str):
     rank0 = int(os.environ.get("RANK", "0")) == 0
     llama = llama2.tp_llama(None, ckpt, None, world_size, max_batch_size=8, max_seq_len=512)
     prompt = llama.tokenizer.encode(serving.make_prompts(1, 32, 32, serving.TOKENIZER, 0)[0], bos=True, eos=False)
-    engine = Engine(llama.model, llama.tokenizer)
+    engine = Engine(llama.runner, llama.tokenizer)
 
     def decode(n: int) -> float:
         seq = engine.add(prompt, SamplingParams(max_gen_len=n, temperature=0, ignore_eos=True))

@@ -45,6 +45,7 @@ for path in (ROOT, os.path.join(ROOT, "tools"), os.path.join(ROOT, "tests"), os.
 import generate  # noqa: E402
 import llama2  # noqa: E402
 import quant  # noqa: E402
+from runner import ModelRunner  # noqa: E402
 from tp_decode import generate_tokens_per_s, step_bytes, step_ms, sync  # noqa: E402
 
 TOKENIZER = os.path.join(ROOT, "demo", "tokenizer.model")
@@ -112,8 +113,8 @@ def parity(dry: bool) -> bool:
                 ref = (fake_quantized(hf, mode) if mode else hf)(tokens).logits.float()
             scale = ref.std().item()
             model = llama2.tp_llama(None, folder, TOKENIZER, 1, dtype=dtype, max_batch_size=4, max_seq_len=64,
-                                    quantization=mode).model
-            assert model.output.weight.device.type == device.type, model.output.weight.device
+                                    quantization=mode).runner
+            assert model.device.type == device.type, model.device
             out = {k: v.float().cpu() for k, v in run_model(model, tokens.to(device)).items()}
             expected = {"full": ref, "decode": ref, "rows": expected_rows(ref, out["rows"])}
             label = str(dtype)[6:] + (f" {mode}" if mode else "")
@@ -146,8 +147,8 @@ def graphs(dry: bool) -> bool:
         _, folder = small_checkpoint(tmp)
         for mode in (None, "int8"):
             model = llama2.tp_llama(None, folder, TOKENIZER, 1, dtype=dtype, max_batch_size=MAX_BATCH,
-                                    max_seq_len=MAX_SEQ_LEN, quantization=mode).model
-            assert model.output.weight.device.type == device.type
+                                    max_seq_len=MAX_SEQ_LEN, quantization=mode).runner
+            assert model.device.type == device.type
             eager = decode(model)
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
@@ -181,8 +182,8 @@ class NullTokenizer:
         return ""
 
 
-def random_model(args: llama2.ModelArgs, device, dtype) -> llama2.Transformer:
-    """Random weights made where they run: allocated on the device, then filled."""
+def random_model(args: llama2.ModelArgs, device, dtype) -> ModelRunner:
+    """Random weights made where they run: allocated on the device, then filled; with its KV cache."""
     with torch.device("meta"):
         model = llama2.Transformer(args)
     model = model.to(dtype).to_empty(device=device)
@@ -194,8 +195,7 @@ def random_model(args: llama2.ModelArgs, device, dtype) -> llama2.Transformer:
             else:
                 p.normal_(0, 0.02, generator=gen)
     model.eval().requires_grad_(False)
-    model.setup_caches()
-    return model
+    return ModelRunner(model, args.max_batch_size, args.max_seq_len)
 
 
 def copy_bandwidth(device) -> float:
@@ -221,24 +221,24 @@ def speed(dry: bool, quantization: str, modes: list[str]) -> bool:
     else:  # Llama-2-7B's shapes, 8 of its 32 layers: 1.9B parameters, 3.8 GB in bf16
         args = llama2.ModelArgs(dim=4096, n_layers=8, n_heads=32, vocab_size=32000, multiple_of=256,
                                 max_batch_size=8, max_seq_len=128)
-    model = random_model(args, device, torch.float32 if dry else torch.bfloat16)
+    runner = random_model(args, device, torch.float32 if dry else torch.bfloat16)
     if quantization != "none":
         start = time.perf_counter()
-        quant.quantize(model, quantization)
+        quant.quantize(runner.model, quantization)
         print(f"quantized to {quantization} in {time.perf_counter() - start:.1f} s")
-    weight_bytes = step_bytes(model)
+    weight_bytes = step_bytes(runner.model)
     print(f"{device}: {quantization}, {weight_bytes / 1e9:.2f} GB of weights per step; "
           f"device copy {copy_bandwidth(device):.0f} GB/s")
     for mode in modes:
         if mode != "eager":
             torch._dynamo.reset()
             start = time.perf_counter()
-            model.compile_decode(cuda_graphs=mode == "graphs")  # compiles (and captures) before it returns
+            runner.compile_decode(cuda_graphs=mode == "graphs")  # compiles (and captures) before it returns
             print(f"compile_decode({'cuda_graphs=True' if mode == 'graphs' else ''}): "
                   f"{time.perf_counter() - start:.0f} s")
         for batch in (1, 8):
-            tps = generate_tokens_per_s(model, NullTokenizer, batch, reps)
-            step = step_ms(model, batch, steps=steps)
+            tps = generate_tokens_per_s(runner, NullTokenizer, batch, reps)
+            step = step_ms(runner, batch, steps=steps)
             roof = batch * HBM_BYTES_PER_S / weight_bytes
             print(f"{quantization} {mode} batch {batch}: generate {tps:,.0f} tokens/s, decode step {step:.2f} ms "
                   f"({batch * 1e3 / step:,.0f} tokens/s); roofline {roof:,.0f} tokens/s: generate at "
@@ -264,7 +264,7 @@ def serve(dry: bool) -> bool | None:
     with tempfile.TemporaryDirectory() as tmp:
         _, folder = small_checkpoint(os.path.join(tmp, "ckpt"))
         llama = llama2.tp_llama(None, folder, TOKENIZER, 1, max_batch_size=4, max_seq_len=256)
-        expected = generate.text_completion(llama.model, llama.tokenizer, [prompt], 16, temperature=0)[0]
+        expected = generate.text_completion(llama.runner, llama.tokenizer, [prompt], 16, temperature=0)[0]
         del llama
         os.makedirs(os.path.join(tmp, "ts"))
         start = time.perf_counter()

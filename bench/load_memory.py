@@ -80,6 +80,7 @@ def measure(folder: str, out_dir: str, quantization: str):
 
     import collectives
     import llama2
+    import tp
 
     world_size = int(os.environ.get("WORLD_SIZE", 1))
 
@@ -89,7 +90,7 @@ def measure(folder: str, out_dir: str, quantization: str):
     first_use = status()
     with torch.device("meta"):
         llama2.Transformer(llama2.ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=32))
-    llama2.init_distributed(world_size)
+    tp.init_distributed(world_size)
     warm = status()
     with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
         f.write("5")
@@ -97,13 +98,14 @@ def measure(folder: str, out_dir: str, quantization: str):
     sampler = PeakSampler()
     sampler.start()
     t0 = time.perf_counter()
-    model = llama2.tp_llama(None, folder, TOKENIZER, world_size, max_batch_size=1, max_seq_len=256,
-                            quantization=None if quantization == "none" else quantization).model
+    llama = llama2.tp_llama(None, folder, TOKENIZER, world_size, max_batch_size=1, max_seq_len=256,
+                            quantization=None if quantization == "none" else quantization)
     seconds = time.perf_counter() - t0
     peak = sampler.stop()
     after = status()
 
     trimmed = malloc_trim()
+    model = llama.model
     caches = [t for layer in model.layers for t in (layer.attention.cache_k, layer.attention.cache_v)]
     rank = collectives.tp_world()[0]
     weights = [*model.parameters(), *model.buffers()]  # quantized weights and scales are buffers
@@ -112,7 +114,7 @@ def measure(folder: str, out_dir: str, quantization: str):
               "kv_cache": sum(t.numel() * t.element_size() for t in caches),
               "warm_up": warm["RssAnon"] - first_use["RssAnon"], "before": before, "after": after, "peak_anon": peak["RssAnon"], "peak_file": peak["RssFile"],
               "hwm": after["VmHWM"], "trimmed": trimmed["RssAnon"],
-              "spanned": spanned_bytes(folder, llama2.weight_plan(model, rank, world_size))}
+              "spanned": spanned_bytes(folder, tp.weight_plan(model, rank, world_size))}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     if world_size > 1:
@@ -166,13 +168,14 @@ def write_checkpoint(out: str, dim: int, layers: int, heads: int, kv_heads: int,
 
     import checkpoint
     import llama2
+    import tp
     from tokenizer import Tokenizer
 
     vocab = Tokenizer(TOKENIZER).n_words
     args = llama2.ModelArgs(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, vocab_size=vocab)
     with torch.device("meta"):
         model = llama2.Transformer(args)
-    shapes = {p.name: p.shape for pieces in llama2.weight_plan(model, 0, 1).values() for p in pieces}
+    shapes = {p.name: p.shape for pieces in tp.weight_plan(model, 0, 1).values() for p in pieces}
     gen = torch.Generator().manual_seed(0)
     state = {name: (torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=gen) * dim ** -0.5)
              for name, shape in shapes.items()}

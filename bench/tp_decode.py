@@ -76,7 +76,7 @@ def step_ms(model, batch: int, staggered: bool = False, steps: int = NEW) -> flo
     prefill, on the model's device. staggered: row i is i positions behind row 0, as
     sequences that started at different times are (per-row positions: a mask and indexed
     KV-cache writes)."""
-    device = model.tok_embeddings.weight.device
+    device = model.device
     model(torch.tensor(prompts(batch, model.vocab_size), device=device), 0)
     tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
     times = []
@@ -174,6 +174,10 @@ class SeparateLlama(nn.Module):
         self.freqs_cis = llama2.precompute_freqs_cis(args.head_dim, max_seq, args.rope_theta)
         self.gather_group = None
 
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
     @torch.inference_mode()
     def forward(self, tokens, pos: int):
         h = self.tok_embeddings(tokens)
@@ -229,7 +233,7 @@ def dtensor_comparison(folder: str, ours) -> dict:
     reference = ours(tokens, 0)
     out = {"ours": {b: step_ms(ours, b) for b in BATCHES}}
     for how in ("plain", "dtensor"):
-        model = separate_llama(folder, ours.params, how)
+        model = separate_llama(folder, ours.model.params, how)
         out[f"{how}_max_diff"] = (model(tokens, 0) - reference).abs().max().item()
         out[how] = {b: step_ms(model, b) for b in BATCHES}
         del model
@@ -246,14 +250,14 @@ def main():
     ws = int(os.environ.get("WORLD_SIZE", 1))
     llama = llama2.tp_llama(None, a.folder, os.path.join(a.folder, "tokenizer.model"), ws,
                             max_batch_size=max(BATCHES), max_seq_len=PROMPT_LEN + NEW)
-    model, tokenizer = llama.model, NoEos(llama.tokenizer)
+    runner, tokenizer = llama.runner, NoEos(llama.tokenizer)
     result = {"tp": ws, "threads": torch.get_num_threads(),
-              "generate": {b: generate_tokens_per_s(model, tokenizer, b, a.reps) for b in BATCHES},
-              "step_ms": {b: step_ms(model, b) for b in BATCHES}}
+              "generate": {b: generate_tokens_per_s(runner, tokenizer, b, a.reps) for b in BATCHES},
+              "step_ms": {b: step_ms(runner, b) for b in BATCHES}}
     if ws > 1:
-        result["comm_ms"] = {b: comm_ms(model.params, b, model.output_group is not None) for b in BATCHES}
+        result["comm_ms"] = {b: comm_ms(llama.model.params, b, llama.model.output_group is not None) for b in BATCHES}
         if a.dtensor:
-            result["dtensor"] = dtensor_comparison(a.folder, model)
+            result["dtensor"] = dtensor_comparison(a.folder, runner)
     if collectives.tp_world()[0] == 0:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)

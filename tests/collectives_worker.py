@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import collectives
-import llama2
+import tp
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 
@@ -76,7 +76,7 @@ def set_up_raises(out_dir: str, failing: int):
     if rank == failing:
         mmap.mmap = cannot_map
     try:
-        llama2.init_distributed(int(os.environ["WORLD_SIZE"]))
+        tp.init_distributed(int(os.environ["WORLD_SIZE"]))
         error = None
     except RuntimeError as e:  # on the other rank, gloo's: its peer left
         error = str(e)
@@ -92,7 +92,7 @@ def main():
         collectives.SEGMENTS, mode = os.path.join(out_dir, "missing"), "ops"
     if mode == "setup-raises":
         set_up_raises(out_dir, int(sys.argv[3]))
-    llama2.init_distributed(int(os.environ["WORLD_SIZE"]))
+    tp.init_distributed(int(os.environ["WORLD_SIZE"]))
     rank = dist.get_rank()
     out = {"segment": collectives._channel is not None}
     if mode == "ops":

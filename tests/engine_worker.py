@@ -28,7 +28,7 @@ def workload(llama, caching: bool, budget: int, max_seqs: int = 4) -> dict:
     more of them than max_seqs, a long prompt, and a repeat of a whole prompt. Returns
     each sequence's tokens (in the order added), the scheduler's digest of its decisions,
     and the prefix-cache counts."""
-    engine = Engine(llama.model, llama.tokenizer, max_seqs=max_seqs, max_batched_tokens=budget,
+    engine = Engine(llama.runner, llama.tokenizer, max_seqs=max_seqs, max_batched_tokens=budget,
                     prefix_caching=caching)
     tok = llama.tokenizer
     prompts = [tok.encode(SYSTEM + q, bos=True, eos=False) for q in QUESTIONS] + \
@@ -57,7 +57,7 @@ def budgeted(llama, slow: bool) -> dict:
     sequence decoded a step at a time. Returns the steps each run took and both token lists."""
     prompt = llama.tokenizer.encode("Once upon a time", bos=True, eos=False)
     params = SamplingParams(max_gen_len=40, temperature=0, ignore_eos=True)
-    engine = Engine(llama.model, llama.tokenizer)
+    engine = Engine(llama.runner, llama.tokenizer)
     plain = engine.add(prompt, params)
     while engine.running:
         engine.step()

@@ -28,7 +28,7 @@ def main():
     llama = llama2.tp_llama(None, folder, os.path.join(folder, "tokenizer.model"), world_size,
                             max_batch_size=spec["max_batch_size"], max_seq_len=spec["max_seq_len"])
     rank = dist.get_rank()
-    model, tok = llama.model, llama.tokenizer
+    model, tok = llama.runner, llama.tokenizer
     torch.manual_seed(1000 + rank)
     n = spec["n_new"]
     prompts = [tok.encode(p, bos=True, eos=False) for p in spec["prompts"]]

@@ -27,8 +27,8 @@ def main():
     world_size = int(os.environ["WORLD_SIZE"])
     result = {}
     for folder in folders:
-        model = llama2.tp_llama(None, folder, None, world_size, max_batch_size=1, max_seq_len=SEQLEN).model
-        result[folder] = model(long_tokens(model.vocab_size), 0)
+        runner = llama2.tp_llama(None, folder, None, world_size, max_batch_size=1, max_seq_len=SEQLEN).runner
+        result[folder] = runner(long_tokens(runner.vocab_size), 0)
     rank = dist.get_rank()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()

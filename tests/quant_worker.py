@@ -22,7 +22,7 @@ def main():
     llama = llama2.tp_llama(None, DEMO, os.path.join(DEMO, "tokenizer.model"), int(os.environ["WORLD_SIZE"]),
                             max_batch_size=len(prompts), max_seq_len=128, quantization=mode)
     tokens = [llama.tokenizer.encode(p, bos=True, eos=False) for p in prompts]
-    greedy, logprobs = generate.generate(llama.model, tokens, N_NEW, temperature=0, logprobs=True,
+    greedy, logprobs = generate.generate(llama.runner, tokens, N_NEW, temperature=0, logprobs=True,
                                          tokenizer=llama.tokenizer)
     torch.save({"greedy": greedy, "logprobs": logprobs}, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     dist.barrier()

@@ -16,6 +16,7 @@ import checkpoint
 import llama2
 import make_checkpoint
 from conftest import CONFIGS, TOKENIZER, configure_line
+from runner import ModelRunner
 from tokenizer import Tokenizer
 
 INDEX = "model.safetensors.index.json"
@@ -37,8 +38,8 @@ def folder(sharded, tmp_path) -> str:
     return str(shutil.copytree(sharded, tmp_path / "ckpt"))
 
 
-def load(folder: str) -> llama2.Transformer:
-    return llama2.tp_llama(None, folder, TOKENIZER, 1).model
+def load(folder: str) -> ModelRunner:
+    return llama2.tp_llama(None, folder, TOKENIZER, 1).runner
 
 
 def refusals(folder: str, tmp_path, monkeypatch, capsys) -> list[str]:
@@ -93,7 +94,7 @@ def test_hugging_face_cache_folder_loads_as_the_plain_one(sharded, tmp_path, mon
     assert all(os.path.islink(os.path.join(cached, name)) for name in weight_map(cached).values())
     assert configure_line(cached, tmp_path, monkeypatch, capsys).startswith(f"checked {cached}:")
     plain, linked = load(sharded), load(cached)
-    for (name, a), (_, b) in zip(plain.named_parameters(), linked.named_parameters(), strict=True):
+    for (name, a), (_, b) in zip(plain.model.named_parameters(), linked.model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     tokens = torch.randint(0, plain.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     assert torch.equal(plain(tokens, 0), linked(tokens, 0))

@@ -1,4 +1,4 @@
-"""Transformer.compile_decode(cuda_graphs=True) on CPU: the bucketed decode steps that CUDA
+"""ModelRunner.compile_decode(cuda_graphs=True) on CPU: the bucketed decode steps that CUDA
 graphs replay on a GPU (rows padded to a rows bucket with rows that touch only a scratch
 block, block tables padded to a blocks bucket) give the eager logits, never recompile once
 compile_decode returns, and leave the cache rows outside the batch as they were. No GPU here: the capture itself is
@@ -9,6 +9,7 @@ import torch
 
 import llama2
 from conftest import TOKENIZER
+from runner import buckets
 from tp_worker import max_diff
 
 pytestmark = pytest.mark.slow  # torch.compile
@@ -21,7 +22,7 @@ def decode(model) -> list[torch.Tensor]:
     the engine when sequences leave and join), some rows behind the others; rows 3.. sit
     steps out and resume later, so padding rows must not have touched their caches. Row 0
     crosses the first blocks bucket (4 blocks of 16 tokens)."""
-    device = model.tok_embeddings.weight.device  # bench/gpu_check.py runs this on a GPU
+    device = model.device  # bench/gpu_check.py runs this on a GPU
     prompt = torch.randint(3, model.vocab_size, (MAX_BATCH, PROMPT), generator=torch.Generator().manual_seed(0))
     outs = [model(prompt.to(device), 0)[:, -1:]]
     lengths = [PROMPT - (i % 3) for i in range(MAX_BATCH)]
@@ -38,7 +39,7 @@ def decode(model) -> list[torch.Tensor]:
 
 def test_bucketed_graph_steps_equal_eager(checkpoints):
     model = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1, max_batch_size=MAX_BATCH,
-                            max_seq_len=MAX_SEQ_LEN).model
+                            max_seq_len=MAX_SEQ_LEN).runner
     eager = decode(model)
     model.compile_decode(cuda_graphs=True)
     assert model.decode_buckets == ([1, 2, 4, 8], [4, 5])  # rows; blocks of 16 tokens
@@ -49,7 +50,7 @@ def test_bucketed_graph_steps_equal_eager(checkpoints):
 
 
 def test_buckets():
-    assert llama2.buckets(8, 1) == [1, 2, 4, 8]
-    assert llama2.buckets(6, 1) == [1, 2, 4, 6]
-    assert llama2.buckets(2048, 64) == [64, 128, 256, 512, 1024, 2048]
-    assert llama2.buckets(40, 64) == [40]
+    assert buckets(8, 1) == [1, 2, 4, 8]
+    assert buckets(6, 1) == [1, 2, 4, 6]
+    assert buckets(2048, 64) == [64, 128, 256, 512, 1024, 2048]
+    assert buckets(40, 64) == [40]

@@ -151,10 +151,10 @@ def test_greedy_tokens_identical_with_and_without_caching_and_chunks(results):
 
 def test_prefix_hit_computes_only_the_rest():
     llama = demo()
-    engine = Engine(llama.model, llama.tokenizer, max_seqs=4)
+    engine = Engine(llama.runner, llama.tokenizer, max_seqs=4)
     computed = []
-    real = llama.model.forward_batch
-    llama.model.forward_batch = lambda batch: computed.append(len(batch.tokens)) or real(batch)
+    real = llama.runner.forward_batch
+    llama.runner.forward_batch = lambda batch: computed.append(len(batch.tokens)) or real(batch)
     tok, params = llama.tokenizer, SamplingParams(max_gen_len=4, temperature=0)
     prompts = [tok.encode(SYSTEM + q, bos=True, eos=False) for q in ("Hi?", "Who are you?")]
     first = engine.add(prompts[0], params)
@@ -173,7 +173,7 @@ def test_prefix_hit_computes_only_the_rest():
     while engine.running:
         engine.step()
     assert again.tokens == first.tokens
-    alone = Engine(llama.model, tok, prefix_caching=False)
+    alone = Engine(llama.runner, tok, prefix_caching=False)
     s = alone.add(prompts[1], params)
     while alone.running:
         alone.step()
@@ -191,11 +191,11 @@ def test_steps_started_equal_the_callers(threaded):
     llama = demo()
     tok, params = llama.tokenizer, SamplingParams(max_gen_len=8, temperature=0)
     prompt = tok.encode("Once upon a time", bos=True, eos=False)
-    inline = Engine(llama.model, tok)
+    inline = Engine(llama.runner, tok)
     expected = inline.add(prompt, params)
     while inline.running:
         inline.step()
-    engine = Engine(llama.model, tok, threaded=threaded)
+    engine = Engine(llama.runner, tok, threaded=threaded)
     seq, threads, runs = engine.add(prompt, params), set(), []
     while engine.running:
         before = len(runs)
@@ -209,7 +209,7 @@ def test_steps_started_equal_the_callers(threaded):
     assert engine.wait() is None  # nothing started
 
     engine.add(prompt, params)
-    llama.model.forward_batch = lambda batch: 1 / 0
+    llama.runner.forward_batch = lambda batch: 1 / 0
     engine.start(engine.step)
     with pytest.raises(ZeroDivisionError):
         engine.wait()
@@ -220,18 +220,18 @@ def test_blocks_running_out_preempt_and_recompute():
     """A pool of 9 blocks of 16 tokens for four sequences of 33-44 tokens: some are
     preempted and recomputed, none fails, and every one gets the tokens it gets alone."""
     llama = demo(max_seq_len=128)
-    llama.model.setup_caches(num_blocks=9)
+    llama.runner.allocate(num_blocks=9)
     tok = llama.tokenizer
     prompts = [tok.encode(f"Story {i}: " + "once upon a time " * (2 + i), bos=True, eos=False) for i in range(4)]
     params = SamplingParams(max_gen_len=24, temperature=0)
     alone = []
     for p in prompts:
-        engine = Engine(llama.model, tok, prefix_caching=False)
+        engine = Engine(llama.runner, tok, prefix_caching=False)
         seq = engine.add(p, params)
         while engine.running:
             engine.step()
         alone.append(seq.tokens)
-    engine = Engine(llama.model, tok, max_seqs=4, prefix_caching=False)
+    engine = Engine(llama.runner, tok, max_seqs=4, prefix_caching=False)
     seqs = [engine.add(p, params) for p in prompts]
     while engine.running:
         engine.step()
@@ -244,7 +244,7 @@ def test_run_takes_the_steps_that_fit_in_its_time():
     """run(max_steps, seconds, min_steps) takes as many steps as fit in seconds at the last
     run's pace, at least min_steps (1) and at most max_steps; it still ends at a first token."""
     llama = demo()
-    engine = Engine(llama.model, llama.tokenizer)
+    engine = Engine(llama.runner, llama.tokenizer)
     engine.add(llama.tokenizer.encode("Once upon a time", bos=True, eos=False),
                SamplingParams(max_gen_len=64, temperature=0, ignore_eos=True))
     assert engine.run(16, seconds=60) == 1  # the prefill gives the first token; no pace yet
@@ -275,7 +275,7 @@ def test_compiled_engine_never_recompiles():
     sequences and blocks; prefill chunks run eager. Outputs equal the eager engine's."""
     llama = demo()
     eager = workload(llama, True, 16)
-    llama.model.compile_decode()
+    llama.runner.compile_decode()
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = workload(llama, True, 16)
     assert compiled["tokens"] == eager["tokens"]

@@ -32,7 +32,7 @@ def llama3_server(llama3, tmp_path_factory):
 
 def greedy_tokens(llama, prompt: str) -> tuple[list[int], list[int]]:
     ids = llama.tokenizer.encode(prompt, bos=True, eos=False)
-    (new,), _ = G.generate(llama.model, [ids], N_NEW, temperature=0, tokenizer=llama.tokenizer)
+    (new,), _ = G.generate(llama.runner, [ids], N_NEW, temperature=0, tokenizer=llama.tokenizer)
     return ids, new
 
 

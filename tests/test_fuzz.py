@@ -351,7 +351,7 @@ def test_failed_prefill_frees_its_blocks(demo_llama, monkeypatch):
     import handler as handler_module
     from serving import InFlight
 
-    engine = engine_module.Engine(demo_llama.model, demo_llama.tokenizer)
+    engine = engine_module.Engine(demo_llama.runner, demo_llama.tokenizer)
     h = handler_module.LlamaHandler()
     limits = Limits()
     h.use_engine(engine, InFlight(engine, limits, DEFAULTS, "llama"))

@@ -5,7 +5,6 @@ chat layout and its rules, and the continuous-batching Engine."""
 
 import copy
 import os
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -152,7 +151,7 @@ def test_greedy_matches_transformers(checkpoints, name, layout):
     llama = load(folders[layout])
     tok = llama.tokenizer
     prompts = encode_all(tok)
-    tokens, logprobs = G.generate(llama.model, prompts, N_NEW, temperature=0, tokenizer=tok)
+    tokens, logprobs = G.generate(llama.runner, prompts, N_NEW, temperature=0, tokenizer=tok)
     assert logprobs is None
     for prompt, got in zip(prompts, tokens):
         want = hf_greedy(hf, prompt, N_NEW, tok.eos_id)
@@ -163,8 +162,8 @@ def test_logprobs_equal_reference(mha):
     hf, llama = mha
     tok = llama.tokenizer
     prompts = encode_all(tok)
-    tokens, logprobs = G.generate(llama.model, prompts, N_NEW, temperature=0, logprobs=True, tokenizer=tok)
-    echo_tokens, echo_logprobs = G.generate(llama.model, prompts, N_NEW, temperature=0, logprobs=True,
+    tokens, logprobs = G.generate(llama.runner, prompts, N_NEW, temperature=0, logprobs=True, tokenizer=tok)
+    echo_tokens, echo_logprobs = G.generate(llama.runner, prompts, N_NEW, temperature=0, logprobs=True,
                                             echo=True, tokenizer=tok)
     for prompt, new, lp, e_tok, e_lp in zip(prompts, tokens, logprobs, echo_tokens, echo_logprobs):
         assert new and len(lp) == len(new)
@@ -181,9 +180,9 @@ def test_sampled_logprobs_are_of_the_raw_logits(mha):
     hf, llama = mha
     tok = llama.tokenizer
     prompts = encode_all(tok)
-    tokens, logprobs = G.generate(llama.model, prompts, N_NEW, temperature=1.7, top_p=0.95, logprobs=True,
+    tokens, logprobs = G.generate(llama.runner, prompts, N_NEW, temperature=1.7, top_p=0.95, logprobs=True,
                                   tokenizer=tok, seed=5)
-    greedy, _ = G.generate(llama.model, prompts, N_NEW, temperature=0, tokenizer=tok)
+    greedy, _ = G.generate(llama.runner, prompts, N_NEW, temperature=0, tokenizer=tok)
     assert tokens != greedy  # really sampled
     for prompt, new, lp in zip(prompts, tokens, logprobs):
         ref = chosen(hf_log_probs(hf, prompt + new), prompt + new)[len(prompt) - 1:]
@@ -196,17 +195,17 @@ def test_row_stops_at_eos(mha):
     hf, llama = mha
     tok = llama.tokenizer
     prompts = encode_all(tok)
-    greedy, _ = G.generate(llama.model, prompts, N_NEW, temperature=0, tokenizer=tok)
+    greedy, _ = G.generate(llama.runner, prompts, N_NEW, temperature=0, tokenizer=tok)
     row0 = greedy[0]
     cut = next(i for i in range(3, N_NEW) if row0[i] not in row0[:i])
     eos_tok = copy.copy(tok)
     eos_tok.eos_id, eos_tok.stop_ids = row0[cut], frozenset([row0[cut]])
-    tokens, logprobs = G.generate(llama.model, prompts, N_NEW, temperature=0, logprobs=True, tokenizer=eos_tok)
+    tokens, logprobs = G.generate(llama.runner, prompts, N_NEW, temperature=0, logprobs=True, tokenizer=eos_tok)
     assert tokens[0] == row0[:cut]
     for prompt, got, lp in zip(prompts, tokens, logprobs):
         assert got == hf_greedy(hf, prompt, N_NEW, eos_tok.eos_id)
         assert len(lp) == len(got)
-    out = G.text_completion(llama.model, eos_tok, PROMPTS, N_NEW, temperature=0)
+    out = G.text_completion(llama.runner, eos_tok, PROMPTS, N_NEW, temperature=0)
     assert out[0]["finish_reason"] == "stop"
     assert out[0]["usage"]["completion_tokens"] == cut
     assert out[0]["generation"] == continuation(tok, prompts[0], row0[:cut])
@@ -218,23 +217,23 @@ def test_limits_raise_value_error(mha):
     prompts = encode_all(tok)
     longest = max(len(p) for p in prompts)
     with pytest.raises(ValueError, match="max_seq_len"):
-        G.generate(llama.model, prompts, MAX_SEQ_LEN - longest + 1, temperature=0, tokenizer=tok)
+        G.generate(llama.runner, prompts, MAX_SEQ_LEN - longest + 1, temperature=0, tokenizer=tok)
     with pytest.raises(ValueError, match="max_batch_size"):
-        G.generate(llama.model, prompts + prompts[:2], 4, temperature=0, tokenizer=tok)
+        G.generate(llama.runner, prompts + prompts[:2], 4, temperature=0, tokenizer=tok)
     with pytest.raises(ValueError, match="max_batch_size"):
-        G.text_completion(llama.model, tok, ["a"] * (MAX_BATCH + 1), 4)
+        G.text_completion(llama.runner, tok, ["a"] * (MAX_BATCH + 1), 4)
     with pytest.raises(ValueError, match="max_seq_len"):
-        G.text_completion(llama.model, tok, PROMPTS, [4, MAX_SEQ_LEN, 4])
+        G.text_completion(llama.runner, tok, PROMPTS, [4, MAX_SEQ_LEN, 4])
     with pytest.raises(ValueError, match="max_gen_len"):
-        G.text_completion(llama.model, tok, PROMPTS, [4, 4])  # one length too few
+        G.text_completion(llama.runner, tok, PROMPTS, [4, 4])  # one length too few
     with pytest.raises(ValueError, match="max_gen_len"):
-        G.generate(llama.model, prompts, 0, tokenizer=tok)
+        G.generate(llama.runner, prompts, 0, tokenizer=tok)
     with pytest.raises(ValueError, match="empty"):
-        G.generate(llama.model, [[]], 4, tokenizer=tok)
+        G.generate(llama.runner, [[]], 4, tokenizer=tok)
     # exactly filling the context is allowed; None means: up to the end of the context
     room = [MAX_SEQ_LEN - len(p) for p in prompts]
-    tokens, _ = G.generate(llama.model, prompts, room, temperature=0, tokenizer=tok)
-    out = G.text_completion(llama.model, tok, PROMPTS, None, temperature=0)
+    tokens, _ = G.generate(llama.runner, prompts, room, temperature=0, tokenizer=tok)
+    out = G.text_completion(llama.runner, tok, PROMPTS, None, temperature=0)
     for prompt, o, t, n in zip(prompts, out, tokens, room):
         assert o["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(t)}
         assert o["generation"] == continuation(tok, prompt, t)
@@ -247,9 +246,9 @@ def test_text_completion_greedy_echo_logprobs_usage(mha):
     _, llama = mha
     tok = llama.tokenizer
     prompts = encode_all(tok)
-    tokens, logprobs = G.generate(llama.model, prompts, N_NEW, temperature=0, logprobs=True, tokenizer=tok)
-    plain = G.text_completion(llama.model, tok, PROMPTS, N_NEW, temperature=0)
-    full = G.text_completion(llama.model, tok, PROMPTS, N_NEW, temperature=0, logprobs=True, echo=True)
+    tokens, logprobs = G.generate(llama.runner, prompts, N_NEW, temperature=0, logprobs=True, tokenizer=tok)
+    plain = G.text_completion(llama.runner, tok, PROMPTS, N_NEW, temperature=0)
+    full = G.text_completion(llama.runner, tok, PROMPTS, N_NEW, temperature=0, logprobs=True, echo=True)
     for text, prompt, t, lp, p, f in zip(PROMPTS, prompts, tokens, logprobs, plain, full):
         assert p["generation"] == continuation(tok, prompt, t)
         assert "tokens" not in p and "logprobs" not in p
@@ -266,9 +265,9 @@ def test_per_prompt_max_gen_len(mha):
     tok = llama.tokenizer
     prompts = encode_all(tok)
     lengths = [3, 9, 6]
-    greedy, _ = G.generate(llama.model, prompts, max(lengths), temperature=0, tokenizer=tok)
-    tokens, _ = G.generate(llama.model, prompts, lengths, temperature=0, tokenizer=tok)
-    out = G.text_completion(llama.model, tok, PROMPTS, lengths, temperature=0)
+    greedy, _ = G.generate(llama.runner, prompts, max(lengths), temperature=0, tokenizer=tok)
+    tokens, _ = G.generate(llama.runner, prompts, lengths, temperature=0, tokenizer=tok)
+    out = G.text_completion(llama.runner, tok, PROMPTS, lengths, temperature=0)
     for prompt, n, g, t, o in zip(prompts, lengths, greedy, tokens, out):
         assert t == g[:n]
         assert o["usage"]["completion_tokens"] == len(t)
@@ -281,7 +280,7 @@ def test_seed_reproduces(mha):
     tok = llama.tokenizer
 
     def sample(seed, prompts=PROMPTS):
-        out = G.text_completion(llama.model, tok, prompts, 12, temperature=1.0, top_p=1.0, seed=seed)
+        out = G.text_completion(llama.runner, tok, prompts, 12, temperature=1.0, top_p=1.0, seed=seed)
         return [o["generation"] for o in out]
 
     first = sample(123)
@@ -298,14 +297,14 @@ def test_top_k_and_tiny_top_p(mha):
     hf, llama = mha
     tok = llama.tokenizer
     prompts = encode_all(tok)
-    greedy, _ = G.generate(llama.model, prompts, N_NEW, temperature=0, tokenizer=tok)
-    top1, _ = G.generate(llama.model, prompts, N_NEW, temperature=1.5, top_p=1.0, tokenizer=tok, top_k=1, seed=1)
+    greedy, _ = G.generate(llama.runner, prompts, N_NEW, temperature=0, tokenizer=tok)
+    top1, _ = G.generate(llama.runner, prompts, N_NEW, temperature=1.5, top_p=1.0, tokenizer=tok, top_k=1, seed=1)
     assert top1 == greedy
     for p in (1e-6, 0.0):
-        tiny_p, _ = G.generate(llama.model, prompts, N_NEW, temperature=1.5, top_p=p, tokenizer=tok, seed=1)
+        tiny_p, _ = G.generate(llama.runner, prompts, N_NEW, temperature=1.5, top_p=p, tokenizer=tok, seed=1)
         assert tiny_p == greedy
     k = 3
-    topk, _ = G.generate(llama.model, prompts, N_NEW, temperature=2.0, top_p=1.0, tokenizer=tok, top_k=k, seed=2)
+    topk, _ = G.generate(llama.runner, prompts, N_NEW, temperature=2.0, top_p=1.0, tokenizer=tok, top_k=k, seed=2)
     assert topk != greedy
     ranks = []
     for prompt, new in zip(prompts, topk):
@@ -333,11 +332,11 @@ def test_stop_strings(mha):
     _, llama = mha
     tok = llama.tokenizer
     prompts = encode_all(tok)
-    greedy, _ = G.generate(llama.model, prompts, N_NEW, temperature=0, tokenizer=tok)
+    greedy, _ = G.generate(llama.runner, prompts, N_NEW, temperature=0, tokenizer=tok)
     stops = [boundary_stop(tok, p, g) for p, g in zip(prompts, greedy)]
     texts = [continuation(tok, p, g) for p, g in zip(prompts, greedy)]
     for i, (stop, at) in enumerate(stops):
-        out = G.text_completion(llama.model, tok, PROMPTS, N_NEW, temperature=0, stop=[stop])
+        out = G.text_completion(llama.runner, tok, PROMPTS, N_NEW, temperature=0, stop=[stop])
         assert out[i]["generation"] == texts[i][:at]
         assert out[i]["finish_reason"] == "stop"
         assert 0 < out[i]["usage"]["completion_tokens"] < N_NEW
@@ -347,9 +346,9 @@ def test_stop_strings(mha):
     # several stop strings: the earliest one cuts; a single string is one stop string
     stop, at = stops[0]
     later = next(texts[0][i:i + 3] for i in range(at + 1, len(texts[0]) - 3) if texts[0].find(texts[0][i:i + 3]) > at)
-    out = G.text_completion(llama.model, tok, PROMPTS[:1], N_NEW, temperature=0, stop=[later, stop])
+    out = G.text_completion(llama.runner, tok, PROMPTS[:1], N_NEW, temperature=0, stop=[later, stop])
     assert out[0]["generation"] == texts[0][:at]
-    out = G.text_completion(llama.model, tok, PROMPTS[:1], N_NEW, temperature=0, stop=stop)
+    out = G.text_completion(llama.runner, tok, PROMPTS[:1], N_NEW, temperature=0, stop=stop)
     assert out[0]["generation"] == texts[0][:at]
 
 
@@ -447,7 +446,7 @@ def test_broken_dialogs_raise(mha, dialog, message):
     assert message in str(err.value)
     good = [msg("user", "fine")]
     with pytest.raises(ValueError, match="dialog"):  # a whole batch is refused before any work
-        G.chat_completion(llama.model, llama.tokenizer, [good, dialog], 4, temperature=0)
+        G.chat_completion(llama.runner, llama.tokenizer, [good, dialog], 4, temperature=0)
 
 
 def test_broken_dialog_messages_are_distinct(mha):
@@ -465,8 +464,8 @@ def test_chat_completion(mha):
     tok = llama.tokenizer
     dialogs = DIALOGS[:3]
     prompts = [chat_format.encode_dialog(tok, d) for d in dialogs]
-    tokens, logprobs = G.generate(llama.model, prompts, 8, temperature=0, logprobs=True, tokenizer=tok)
-    out = G.chat_completion(llama.model, tok, dialogs, 8, temperature=0, logprobs=True)
+    tokens, logprobs = G.generate(llama.runner, prompts, 8, temperature=0, logprobs=True, tokenizer=tok)
+    out = G.chat_completion(llama.runner, tok, dialogs, 8, temperature=0, logprobs=True)
     for o, p, t, lp in zip(out, prompts, tokens, logprobs):
         assert o["generation"] == {"role": "assistant", "content": tok.decode(t)}  # the message alone
         assert o["usage"] == {"prompt_tokens": len(p), "completion_tokens": len(t)}
@@ -488,12 +487,12 @@ def test_engine_staggered_sequences_match_running_alone(mha):
     tok = llama.tokenizer
     prompts = encode_all(tok, PROMPTS + ["Another prompt, of yet another length, for the fourth sequence"])
     lengths = [N_NEW, N_NEW, 12, N_NEW]
-    alone = [G.generate(llama.model, [p], n, temperature=0, tokenizer=tok)[0][0] for p, n in zip(prompts, lengths)]
+    alone = [G.generate(llama.runner, [p], n, temperature=0, tokenizer=tok)[0][0] for p, n in zip(prompts, lengths)]
     # and a sampled sequence with a seed, which must not care about its neighbours either
     sampled_params = dict(max_gen_len=N_NEW, temperature=1.0, top_p=1.0, seed=11)
-    sampled_alone = G.generate(llama.model, [prompts[2]], N_NEW, 1.0, 1.0, tokenizer=tok, seed=11)[0][0]
+    sampled_alone = G.generate(llama.runner, [prompts[2]], N_NEW, 1.0, 1.0, tokenizer=tok, seed=11)[0][0]
 
-    eng = Engine(llama.model, tok)
+    eng = Engine(llama.runner, tok)
     a = eng.add(prompts[0], greedy(lengths[0]))
     for _ in range(3):
         eng.step()
@@ -543,8 +542,8 @@ def test_new_text_streams_without_stop_prefixes(mha):
     _, llama = mha
     tok = llama.tokenizer
     prompts = encode_all(tok)
-    greedy_tokens, _ = G.generate(llama.model, prompts, N_NEW, temperature=0, tokenizer=tok)
-    eng = Engine(llama.model, tok)
+    greedy_tokens, _ = G.generate(llama.runner, prompts, N_NEW, temperature=0, tokenizer=tok)
+    eng = Engine(llama.runner, tok)
     for prompt, g in zip(prompts, greedy_tokens):
         full = continuation(tok, prompt, g)
         stop, at = boundary_stop(tok, prompt, g)
@@ -562,14 +561,13 @@ def test_new_text_streams_without_stop_prefixes(mha):
         eng.release(seq)
 
 
-class ScriptedModel:
-    """A stand-in for the Transformer whose next token depends only on the position:
+class ScriptedRunner:
+    """A stand-in for the ModelRunner whose next token depends only on the position:
     the logits at position q put all the weight on script[q]."""
 
     def __init__(self, script: dict[int, int], vocab: int, fill: int):
         self.script, self.vocab, self.fill = script, vocab, fill
-        self.params = SimpleNamespace(max_batch_size=2, max_seq_len=128)
-        self.tok_embeddings = SimpleNamespace(weight=torch.zeros(1))
+        self.max_batch_size, self.max_seq_len, self.device = 2, 128, torch.device("cpu")
         self.num_blocks, self.block_size, self.vocab_size = 16, 16, vocab
 
     def forward_batch(self, batch):
@@ -588,7 +586,7 @@ def test_new_text_holds_back_unfinished_characters(mha):
     ids = tok.encode(text, bos=False, eos=False)
     prompt = [tok.bos_id]
     script = {len(prompt) - 1 + i: t for i, t in enumerate(ids + [tok.eos_id])}
-    eng = Engine(ScriptedModel(script, tok.n_words, tok.eos_id), tok)
+    eng = Engine(ScriptedRunner(script, tok.n_words, tok.eos_id), tok)
     seq = eng.add(prompt, greedy(n=len(ids) + 5))
     pieces = stream(eng, seq)
     assert seq.tokens == ids and seq.finish_reason == "stop"

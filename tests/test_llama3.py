@@ -19,7 +19,7 @@ from engine import Engine
 import llama2
 from conftest import LLAMA3_CONFIGS, LLAMA3_RANKS
 from logits_worker import SEQLEN, long_tokens
-from test_generate import ScriptedModel, continuation, stream
+from test_generate import ScriptedRunner, continuation, stream
 from tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
 from torchrun import run
 
@@ -171,22 +171,22 @@ def reference(hf, vocab: int) -> torch.Tensor:
 def test_logits_equal_transformers_tp1(llama3):
     for name, layout, folder in all_folders(llama3):
         hf = llama3[name][0]
-        model = llama2.tp_llama(None, folder, None, 1, max_batch_size=1, max_seq_len=SEQLEN).model
-        assert model.params.rope_scaling == LLAMA3_CONFIGS[name][6]
-        assert model.params.tie_word_embeddings == LLAMA3_CONFIGS[name][4]
-        ours = model(long_tokens(model.vocab_size), 0)
-        assert (ours - reference(hf, model.vocab_size)).abs().max().item() <= TOL, (name, layout)
+        runner = llama2.tp_llama(None, folder, None, 1, max_batch_size=1, max_seq_len=SEQLEN).runner
+        assert runner.model.params.rope_scaling == LLAMA3_CONFIGS[name][6]
+        assert runner.model.params.tie_word_embeddings == LLAMA3_CONFIGS[name][4]
+        ours = runner(long_tokens(runner.vocab_size), 0)
+        assert (ours - reference(hf, runner.vocab_size)).abs().max().item() <= TOL, (name, layout)
 
 
 def test_rope_scaling_matters_at_these_positions(llama3):
     """The same checkpoints read without their scaling fail the comparison above."""
     for name, layout, folder in all_folders(llama3):
         hf = llama3[name][0]
-        model = llama2.tp_llama(None, folder, None, 1, max_batch_size=1, max_seq_len=SEQLEN).model
-        p = model.params
-        model.freqs_cis = llama2.precompute_freqs_cis(p.head_dim, p.max_seq_len, p.rope_theta)  # no scaling
-        unscaled = model(long_tokens(model.vocab_size), 0)
-        assert (unscaled - reference(hf, model.vocab_size)).abs().max().item() > 100 * TOL, (name, layout)
+        runner = llama2.tp_llama(None, folder, None, 1, max_batch_size=1, max_seq_len=SEQLEN).runner
+        p = runner.model.params
+        runner.model.freqs_cis = llama2.precompute_freqs_cis(p.head_dim, SEQLEN, p.rope_theta)  # no scaling
+        unscaled = runner(long_tokens(runner.vocab_size), 0)
+        assert (unscaled - reference(hf, runner.vocab_size)).abs().max().item() > 100 * TOL, (name, layout)
 
 
 @pytest.mark.slow
@@ -213,14 +213,14 @@ def test_hub_config_form_is_read(llama3, tmp_path):
     config["rope_theta"] = rope.pop("rope_theta")
     config["rope_scaling"] = rope
     (folder / "config.json").write_text(json.dumps(config))
-    model = llama2.tp_llama(None, str(folder), None, 1, max_batch_size=1, max_seq_len=SEQLEN).model
+    runner = llama2.tp_llama(None, str(folder), None, 1, max_batch_size=1, max_seq_len=SEQLEN).runner
     hf = llama3["scaled16"][0]
-    assert (model(long_tokens(model.vocab_size), 0) - reference(hf, model.vocab_size)).abs().max().item() <= TOL
+    assert (runner(long_tokens(runner.vocab_size), 0) - reference(hf, runner.vocab_size)).abs().max().item() <= TOL
 
 
 def test_max_position_embeddings_caps_the_context(llama3):
     folder = folders(llama3, "scaled16")["hf"]
-    assert llama2.tp_llama(None, folder, None, 1).model.params.max_seq_len == 512  # the default 2048, capped
+    assert llama2.tp_llama(None, folder, None, 1).runner.max_seq_len == 512  # the default 2048, capped
     with pytest.raises(ValueError, match="max_seq_len 1024 exceeds the 512 positions"):
         llama2.tp_llama(None, folder, None, 1, max_seq_len=1024)
 
@@ -245,7 +245,7 @@ def test_greedy_equals_transformers_and_stops_at_any_stop_id(llama3, tmp_path):
     llama = llama2.tp_llama(None, folders(llama3, "scaled16")["hf"], None, 1, max_batch_size=4, max_seq_len=128)
     tok = llama.tokenizer
     prompts = [tok.encode(p, bos=True, eos=False) for p in PROMPTS]
-    free, _ = G.generate(llama.model, prompts, N_NEW, temperature=0, tokenizer=tok)
+    free, _ = G.generate(llama.runner, prompts, N_NEW, temperature=0, tokenizer=tok)
     # make a token that greedy decoding reaches mid-way one more stop id, as generation_config.json lists them
     row = free[0]
     stop = next(row[i] for i in range(3, N_NEW) if row[i] not in row[:i] and row[i] not in tok.stop_ids)
@@ -257,16 +257,16 @@ def test_greedy_equals_transformers_and_stops_at_any_stop_id(llama3, tmp_path):
     tok = Tokenizer(str(folder))
     stops = sorted(tok.stop_ids)
     assert stop in stops and len(stops) == 4
-    tokens, _ = G.generate(llama.model, prompts, N_NEW, temperature=0, tokenizer=tok)
+    tokens, _ = G.generate(llama.runner, prompts, N_NEW, temperature=0, tokenizer=tok)
     for prompt, got in zip(prompts, tokens):
         assert got == hf_generate(hf, prompt, stops)
     assert tokens[0] == row[:row.index(stop)]
-    out = G.text_completion(llama.model, tok, PROMPTS, N_NEW, temperature=0)
+    out = G.text_completion(llama.runner, tok, PROMPTS, N_NEW, temperature=0)
     assert out[0]["finish_reason"] == "stop"
     for prompt, got, o in zip(prompts, tokens, out):
         assert o["generation"] == continuation(tok, prompt, got)
     chats = [chat_format.encode_dialog(tok, d) for d in DIALOGS]
-    answers = G.chat_completion(llama.model, tok, DIALOGS, N_NEW, temperature=0)
+    answers = G.chat_completion(llama.runner, tok, DIALOGS, N_NEW, temperature=0)
     for prompt, answer in zip(chats, answers):
         want = hf_generate(hf, prompt, stops)
         assert answer["generation"]["content"] == tok.decode(want)  # the message alone
@@ -282,7 +282,7 @@ def test_streamed_characters_are_whole(tokenizers):
         prompt = [tok.bos_id]
         stop = tok.special_tokens["<|eot_id|>"]
         script = {len(prompt) - 1 + i: t for i, t in enumerate(ids + [stop])}
-        eng = Engine(ScriptedModel(script, tok.n_words, stop), tok)
+        eng = Engine(ScriptedRunner(script, tok.n_words, stop), tok)
         seq = eng.add(prompt, sequence.SamplingParams(max_gen_len=len(ids) + 5, temperature=0))
         pieces = stream(eng, seq)
         assert seq.tokens == ids and seq.finish_reason == "stop"

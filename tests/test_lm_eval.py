@@ -76,13 +76,13 @@ def continuation_logprob(llama, context: str, continuation: str) -> float:
     tok = llama.tokenizer
     whole = tok.encode(context + continuation, bos=False, eos=False)
     n_context = len(tok.encode(context, bos=False, eos=False))
-    logits = llama.model(torch.tensor([whole]), 0, slot=0)[0].float()
+    logits = llama.runner(torch.tensor([whole]), 0, slot=0)[0].float()
     logprobs = F.log_softmax(logits[:-1], dim=-1).gather(-1, torch.tensor(whole[1:])[:, None])[:, 0]
     return logprobs[n_context - 1:].sum().item()
 
 
 def greedy_text(llama, prompt_tokens: list[int], stop: tuple[str, ...]) -> str:
-    engine = Engine(llama.model, llama.tokenizer)
+    engine = Engine(llama.runner, llama.tokenizer)
     params = sequence.SamplingParams(max_gen_len=MAX_GEN, temperature=0, stop=stop)
     return G.run_to_completion(engine, [prompt_tokens], [params])[0].text
 

@@ -15,7 +15,9 @@ from safetensors.torch import load_file, save_file
 import checkpoint
 import llama2
 import make_checkpoint
+import tp
 from conftest import CONFIGS, TOKENIZER
+from runner import ModelRunner
 from tokenizer import Tokenizer
 from tp_worker import expected_rows, fixed_tokens, max_diff, run_decode, run_model, run_rows
 
@@ -23,8 +25,8 @@ TOL = 1e-4
 LAYOUTS = ["hf", "meta:1", "meta:2"]
 
 
-def load(folder, model_args=None) -> llama2.Transformer:
-    return llama2.tp_llama(model_args, folder, TOKENIZER, 1).model
+def load(folder, model_args=None) -> ModelRunner:
+    return llama2.tp_llama(model_args, folder, TOKENIZER, 1).runner
 
 
 def random_tokens(vocab_size: int, seqlen: int = 12) -> torch.Tensor:
@@ -36,9 +38,9 @@ def reference_logits(ref, tokens: torch.Tensor) -> torch.Tensor:
     return ref(tokens).logits.float()
 
 
-def assert_matches_reference(model, ref, seqlen: int = 12):
+def assert_matches_reference(runner, ref, seqlen: int = 12):
     tokens = random_tokens(ref.config.vocab_size, seqlen)
-    diff = max_diff(model(tokens, 0), reference_logits(ref, tokens))
+    diff = max_diff(runner(tokens, 0), reference_logits(ref, tokens))
     assert diff <= TOL, f"max abs diff {diff} from transformers' LlamaForCausalLM"
 
 
@@ -59,9 +61,9 @@ def checkpoint_model_args(folder: str, **overrides) -> llama2.ModelArgs:
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_logits_match_transformers(checkpoints, config, layout):
     ref, folders = checkpoints[config]
-    model = load(folders[layout])
-    assert (model.params.n_heads, model.params.n_kv_heads) == CONFIGS[config][2:]
-    assert_matches_reference(model, ref)
+    runner = load(folders[layout])
+    assert (runner.model.params.n_heads, runner.model.params.n_kv_heads) == CONFIGS[config][2:]
+    assert_matches_reference(runner, ref)
 
 
 def test_reference_comparison_can_fail(checkpoints, monkeypatch):
@@ -98,7 +100,7 @@ def test_compiled_decode_equals_eager_and_never_recompiles(checkpoints):
     """compile_decode() (torch.compile of the one-token steps) changes no logits, and the
     three graphs it compiles up front serve every batch size and position: a recompile
     here would be one per position in a server (and eager again after 8)."""
-    model = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1, max_batch_size=8).model
+    model = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1, max_batch_size=8).runner
     tokens = fixed_tokens(model.vocab_size)
     eager = run_model(model, tokens)
     model.compile_decode()
@@ -157,12 +159,12 @@ def test_tied_word_embeddings(tmp_path, layout):
     ref = make_checkpoint.random_hf_model(dim, layers, heads, kv_heads, Tokenizer(TOKENIZER).n_words,
                                           tie=True, seed=3)
     folder = make_checkpoint.write_layouts(ref, str(tmp_path), TOKENIZER, [layout])[layout]
-    model = load(folder)
+    runner = load(folder)
     if layout == "hf":
         names = set(load_file(os.path.join(folder, "model.safetensors")))
         assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
-        assert model.output.weight is model.tok_embeddings.weight
-    assert_matches_reference(model, ref)
+        assert runner.model.output.weight is runner.model.tok_embeddings.weight
+    assert_matches_reference(runner, ref)
 
 
 # --- model_args ------------------------------------------------------------------------
@@ -201,22 +203,22 @@ def test_vocab_size_minus_one_is_taken_from_tokenizer_or_checkpoint(checkpoints,
 def test_model_args_size_the_kv_cache(checkpoints):
     ref, folders = checkpoints["gqa"]
     folder = folders["hf"]
-    model = load(folder, checkpoint_model_args(folder, max_batch_size=3, max_seq_len=24))
-    p = model.params
-    assert (p.max_batch_size, p.max_seq_len) == (3, 24)
+    runner = load(folder, checkpoint_model_args(folder, max_batch_size=3, max_seq_len=24))
+    p = runner.model.params
+    assert (runner.max_batch_size, runner.max_seq_len) == (3, 24)
     blocks = 3 * 2  # rows of 24 tokens in blocks of 16
-    for layer in model.layers:
+    for layer in runner.model.layers:
         assert layer.attention.cache_k.shape == (p.n_kv_heads, blocks, 16, p.head_dim)
         assert layer.attention.cache_v.shape == layer.attention.cache_k.shape
-    assert_matches_reference(model, ref, seqlen=24)
+    assert_matches_reference(runner, ref, seqlen=24)
     with pytest.raises(ValueError, match="exceed the KV cache"):
-        model(random_tokens(p.vocab_size, 25), 0)
+        runner(random_tokens(p.vocab_size, 25), 0)
     with pytest.raises(ValueError, match="exceed the KV cache"):
-        model(random_tokens(p.vocab_size, 4), 0, slot=2)
+        runner(random_tokens(p.vocab_size, 4), 0, slot=2)
 
     default = load(folder)  # without model_args: ModelArgs' defaults
     rows, length = llama2.ModelArgs.max_batch_size, llama2.ModelArgs.max_seq_len
-    assert default.layers[0].attention.cache_k.shape[1:3] == (rows * length // 16, 16)
+    assert default.model.layers[0].attention.cache_k.shape[1:3] == (rows * length // 16, 16)
 
 
 # --- bad checkpoints -------------------------------------------------------------------
@@ -330,7 +332,7 @@ def test_unsupported_meta_params_are_refused(checkpoints, tmp_path):
 def test_heads_that_do_not_divide_over_ranks_raise(n_heads, n_kv_heads, world_size, message):
     args = llama2.ModelArgs(dim=16 * n_heads, n_heads=n_heads, n_kv_heads=n_kv_heads, vocab_size=32)
     with pytest.raises(ValueError, match=message):
-        llama2.head_ranges(args, 0, world_size)
+        tp.head_ranges(args, 0, world_size)
 
 
 @pytest.mark.parametrize("n_heads, n_kv_heads, world_size", [
@@ -340,7 +342,7 @@ def test_head_ranges_give_each_rank_the_kv_heads_of_its_query_heads(n_heads, n_k
     group = n_heads // n_kv_heads  # query head h uses KV head h // group
     seen = []
     for rank in range(world_size):
-        q, kv = llama2.head_ranges(args, rank, world_size)
+        q, kv = tp.head_ranges(args, rank, world_size)
         seen += list(q)
         assert len(q) == n_heads // world_size and len(kv) == max(n_kv_heads // world_size, 1)
         assert sorted({h // group for h in q}) == list(kv)

@@ -28,7 +28,7 @@ def client(server):
 
 def log_softmax(llama, ids: list[int]) -> torch.Tensor:
     """(len(ids), vocab): the in-process model's log-probabilities of the token after each prefix."""
-    logits = llama.model(torch.tensor([ids]), 0, slot=0)[0]
+    logits = llama.runner(torch.tensor([ids]), 0, slot=0)[0]
     return F.log_softmax(logits.float(), dim=-1)
 
 

@@ -24,8 +24,8 @@ def run(llama, num_blocks: int | None, prompts: list[list[int]], params: list[Sa
     """The prompts run to the end on a pool of num_blocks (None: the default, room for
     max_batch_size sequences of max_seq_len). Returns the engine, the sequences, and for
     each preemption the victim's (id, prompt tokens scored, tokens generated) then."""
-    llama.model.setup_caches(num_blocks=num_blocks)
-    engine = Engine(llama.model, llama.tokenizer, max_seqs=4, **engine_options)
+    llama.runner.allocate(num_blocks=num_blocks)
+    engine = Engine(llama.runner, llama.tokenizer, max_seqs=4, **engine_options)
     victims, preempt = [], engine.scheduler.preempt
 
     def record(seq):
@@ -79,12 +79,12 @@ def test_sequences_filling_blocks_of_one_prefix_at_once_answer_as_alone(llama):
     one's is registered, the other's stays unnamed. A prompt with the same first block, added
     then, computes only its rest, while the copies decode. Every sequence gets the tokens it
     gets alone."""
-    llama.model.setup_caches()
+    llama.runner.allocate()
     tok = llama.tokenizer
     prompts = [tok.encode(SYSTEM + q, bos=True, eos=False) for q in QUESTIONS[:2]]
     params = SamplingParams(max_gen_len=8, temperature=0)
     alone = [run(llama, None, [p], [params], prefix_caching=False)[1][0].tokens for p in prompts]
-    engine = Engine(llama.model, tok, max_seqs=4)
+    engine = Engine(llama.runner, tok, max_seqs=4)
     a, b = engine.add(prompts[0], params), engine.add(prompts[0], params)
     engine.step()
     assert a.table.hashes[0] == b.table.hashes[0] and a.table.blocks[0] != b.table.blocks[0]

@@ -193,12 +193,12 @@ def perplexity(logits, targets) -> float:
 
 @pytest.fixture(scope="module")
 def unquantized(held_out_windows):
-    return teacher_forced(load_demo().model, held_out_windows)
+    return teacher_forced(load_demo().runner, held_out_windows)
 
 
 @pytest.mark.parametrize("mode, limit", [("int8", 0.01), ("int4", 0.10)])
 def test_perplexity_on_held_out_text(held_out_windows, unquantized, mode, limit):
-    logits, targets = teacher_forced(load_demo(mode).model, held_out_windows)
+    logits, targets = teacher_forced(load_demo(mode).runner, held_out_windows)
     base, ours = perplexity(*unquantized), perplexity(logits, targets)
     print(f"held-out perplexity: unquantized {base:.3f}, {mode} {ours:.3f} ({100 * (ours / base - 1):+.2f}%)")
     assert base < 0.1 * unquantized[0].shape[-1]  # the text is English the model has learnt: far from uniform
@@ -208,7 +208,7 @@ def test_perplexity_on_held_out_text(held_out_windows, unquantized, mode, limit)
 def test_int8_top1_agreement(held_out_windows, unquantized):
     """Teacher-forced: at each position of the held-out text, int8's most likely next token
     is the unquantized model's at least 98% of the time."""
-    logits, _ = teacher_forced(load_demo("int8").model, held_out_windows)
+    logits, _ = teacher_forced(load_demo("int8").runner, held_out_windows)
     agreement = (logits.argmax(-1) == unquantized[0].argmax(-1)).float().mean().item()
     print(f"int8 top-1 agreement: {100 * agreement:.2f}% of {len(logits)} positions")
     assert agreement >= 0.98
@@ -224,7 +224,7 @@ def test_quality_checks_can_fail(held_out_windows, unquantized, monkeypatch):
         return (q.float() / 127).round().to(torch.int8), (scales.float() * 127).bfloat16()
 
     monkeypatch.setattr(quant, "int8_quantize", three_levels)
-    logits, targets = teacher_forced(load_demo("int8").model, held_out_windows)
+    logits, targets = teacher_forced(load_demo("int8").runner, held_out_windows)
     assert perplexity(logits, targets) > 1.10 * perplexity(*unquantized)
     assert (logits.argmax(-1) == unquantized[0].argmax(-1)).float().mean().item() < 0.9
 
@@ -233,7 +233,7 @@ def test_quality_checks_can_fail(held_out_windows, unquantized, monkeypatch):
 
 def greedy(llama) -> tuple[list, list]:
     tokens = [llama.tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS]
-    return generate.generate(llama.model, tokens, N_NEW, temperature=0, logprobs=True, tokenizer=llama.tokenizer)
+    return generate.generate(llama.runner, tokens, N_NEW, temperature=0, logprobs=True, tokenizer=llama.tokenizer)
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import generate as G
 import sampler
 import sequence
 from engine import Engine
-from test_generate import ScriptedModel
+from test_generate import ScriptedRunner
 
 
 def reference_penalties(logits, prompt, generated, presence, frequency, repetition):
@@ -84,7 +84,7 @@ def test_engine_applies_bias_and_penalties_to_the_raw_logits(demo_llama):
     """Greedy decoding with logit_bias and all three penalties: every token is the argmax of
     the formula applied to the model's raw logits for that prefix, and every logprob and top
     logprob is log_softmax of the raw logits (penalties do not change them)."""
-    model, tok = demo_llama.model, demo_llama.tokenizer
+    model, tok = demo_llama.runner, demo_llama.tokenizer
     prompt = tok.encode("The secret of a happy life is", bos=True, eos=False)
     raw = seq_logits(model, prompt, slot=3)[-1]
     favoured, disfavoured = raw.topk(5).indices[4].item(), raw.argmax().item()
@@ -116,7 +116,7 @@ def test_engine_applies_bias_and_penalties_to_the_raw_logits(demo_llama):
 def test_engine_logit_bias_alone_is_added(demo_llama):
     """A large bias makes a token the greedy choice at every step; the logprobs stay the
     model's own (the raw logits')."""
-    model, tok = demo_llama.model, demo_llama.tokenizer
+    model, tok = demo_llama.runner, demo_llama.tokenizer
     prompt = tok.encode("Once upon a time", bos=True, eos=False)
     target = tok.encode("zebra", bos=False, eos=False)[0]
     eng = Engine(model, tok)
@@ -131,7 +131,7 @@ def test_engine_logit_bias_alone_is_added(demo_llama):
 
 
 def scripted(script: dict, fill: int, tok):
-    return Engine(ScriptedModel(script, tok.n_words, fill), tok)
+    return Engine(ScriptedRunner(script, tok.n_words, fill), tok)
 
 
 def run(eng, prompt, **params):
@@ -181,7 +181,7 @@ def test_text_offsets_point_into_the_text(demo_llama):
 
 
 def test_max_gen_len_zero_scores_the_prompt(demo_llama):
-    model, tok = demo_llama.model, demo_llama.tokenizer
+    model, tok = demo_llama.runner, demo_llama.tokenizer
     prompt = tok.encode("Once upon a time", bos=True, eos=False)
     eng = Engine(model, tok)
     seq = eng.add(prompt, sequence.SamplingParams(max_gen_len=0, echo=True, logprobs=True, top_logprobs=2))
@@ -214,10 +214,10 @@ def test_sample_rows_are_independent(demo_llama):
 def test_seed_api_takes_a_llama(demo_llama):
     prompts = [demo_llama.tokenizer.encode("Hello there", bos=True, eos=False)]
     with_llama = G.generate(demo_llama, prompts, 6, temperature=0, logprobs=True)
-    bare = G.generate(demo_llama.model, prompts, 6, temperature=0, logprobs=True, tokenizer=demo_llama.tokenizer)
+    bare = G.generate(demo_llama.runner, prompts, 6, temperature=0, logprobs=True, tokenizer=demo_llama.tokenizer)
     assert with_llama == bare and len(with_llama[0][0]) > 0
     with pytest.raises(TypeError, match="tokenizer="):
-        G.generate(demo_llama.model, prompts, 6)
+        G.generate(demo_llama.runner, prompts, 6)
 
 
 def seeded(seed: int, top_p: float = 1.0, temperature: float = 1.0) -> sequence.Sequence:

@@ -410,9 +410,9 @@ def test_a_config_without_handler_keys_gets_the_defaults(tmp_path, monkeypatch, 
 
     h = handler.LlamaHandler()
     h.initialize(Context())
-    assert h.max_seq_len == 512 and h.engine.model.params.max_seq_len == 512
-    assert h.engine.model.tok_embeddings.weight.dtype == torch.float32  # dtype auto on CPU
-    assert h.engine.model.compiled_decode is None
+    assert h.max_seq_len == 512 and h.engine.runner.max_seq_len == 512
+    assert h.engine.runner.dtype == torch.float32  # dtype auto on CPU
+    assert h.engine.runner.compiled_decode is None
     assert h.engine.scheduler.max_batched_tokens == 64  # max_batched_tokens auto on CPU
     assert h.overlap is overlap and h.steps_per_iteration == steps
 

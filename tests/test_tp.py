@@ -29,16 +29,16 @@ def expected_shapes(args: llama2.ModelArgs, world_size: int) -> dict:
 
 
 def check_tp(folder: str, world_size: int, out_dir, ref=None, *worker_args):
-    model = llama2.tp_llama(None, folder, TOKENIZER, 1).model
-    tokens = fixed_tokens(model.vocab_size)
-    tp1 = run_model(model, tokens)
+    llama = llama2.tp_llama(None, folder, TOKENIZER, 1)
+    tokens = fixed_tokens(llama.runner.vocab_size)
+    tp1 = run_model(llama.runner, tokens)
     if ref is not None:
         with torch.no_grad():
             assert max_diff(tp1["full"], ref(tokens).logits.float()) <= TOL
     results = run("tp_worker.py", world_size, out_dir, folder, *worker_args)
     assert len(results) == world_size
     for rank, result in enumerate(results):
-        assert result["shapes"] == expected_shapes(model.params, world_size), f"rank {rank}"
+        assert result["shapes"] == expected_shapes(llama.model.params, world_size), f"rank {rank}"
         for key in ("full", "decode", "rows"):
             diff = max_diff(result[key], tp1[key])
             assert diff <= TOL, f"rank {rank} {key}: max abs diff {diff} from TP=1"
@@ -58,7 +58,7 @@ def test_tp_equals_tp1(checkpoints, tmp_path, config, layout, world_size):
 
 
 def test_tp_with_compiled_decode_equals_tp1(checkpoints, tmp_path):
-    """Transformer.compile_decode() at TP=2: the compiled steps (all-reduces inside the
+    """ModelRunner.compile_decode() at TP=2: the compiled steps (all-reduces inside the
     graph) give the eager TP=1 logits."""
     folders = checkpoints["gqa"][1]
     check_tp(folders["hf"], 2, tmp_path, None, "--compile")

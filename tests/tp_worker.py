@@ -4,7 +4,7 @@
 
 loads FOLDER with llama2.tp_llama on WORLD_SIZE ranks, runs fixed_tokens() through the
 model (run_model) and saves rank r's logits, and the shapes of its shards, to
-OUT_DIR/rank{r}.pt; --compile first turns on Transformer.compile_decode(). test_model.py
+OUT_DIR/rank{r}.pt; --compile first turns on ModelRunner.compile_decode(). test_model.py
 runs the same functions in-process at TP=1."""
 
 import os
@@ -84,15 +84,15 @@ def main():
     world_size = int(os.environ["WORLD_SIZE"])
     llama = llama2.tp_llama(None, folder, None, world_size)  # the folder's own tokenizer
     rank = dist.get_rank() if world_size > 1 else 0
-    model = llama.model
+    runner = llama.runner
     if "--compile" in sys.argv:
-        model.compile_decode()
-    result = run_model(model, fixed_tokens(model.vocab_size))
-    layer = model.layers[0]
+        runner.compile_decode()
+    result = run_model(runner, fixed_tokens(runner.vocab_size))
+    layer = llama.model.layers[0]
     result["shapes"] = {"wqkv": tuple(layer.attention.wqkv.weight.shape), "wo": tuple(layer.attention.wo.weight.shape),
                         "w13": tuple(layer.feed_forward.w13.weight.shape),
                         "w2": tuple(layer.feed_forward.w2.weight.shape),
-                        "output": tuple(model.output.weight.shape)}
+                        "output": tuple(llama.model.output.weight.shape)}
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     if world_size > 1:
         dist.barrier()

@@ -20,9 +20,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import chat_format  # noqa: E402
 import checkpoint  # noqa: E402
-import llama2  # noqa: E402
+from model import ModelArgs  # noqa: E402
 from serving_config import ServingConfig  # noqa: E402
 from tokenizer import Tokenizer, tokenizer_file  # noqa: E402
+from tp import head_ranges  # noqa: E402
 
 # Beyond the tokenizer's vocabulary, a checkpoint's embedding may hold this many padding rows
 # (a pad token, a size rounded up to a multiple of 64 or 128); more is another vocabulary.
@@ -106,10 +107,10 @@ def check(config: dict, weights: str | None = None) -> str:
         raise ValueError(f"the tokenizer {tokenizer_path} has {n_words} tokens, the model in {folder} "
                          f"{vocab}: they are not the same vocabulary")
 
-    model = llama2.ModelArgs(**args)
+    model = ModelArgs(**args)
     try:
         for rank in range(tp):
-            llama2.head_ranges(model, rank, tp)
+            head_ranges(model, rank, tp)
     except ValueError as e:
         raise ValueError(f"TP={tp} does not fit the model in {folder} ({model.n_heads} heads, "
                          f"{model.n_kv_heads} KV heads): {e}") from None

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from checkpoint import HF_NAMES, META_ROPE_SCALING, MP_SPLIT_DIM, unpermute_rotary  # noqa: E402
-from llama2 import meta_ffn_hidden_dim  # noqa: E402
+from model import meta_ffn_hidden_dim  # noqa: E402
 from tokenizer import LLAMA3_PATTERN, Tokenizer, llama3_special_tokens, write_tiktoken_ranks  # noqa: E402
 
 

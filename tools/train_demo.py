@@ -26,6 +26,7 @@ import chat_format  # noqa: E402
 import generate  # noqa: E402
 import llama2  # noqa: E402
 from make_checkpoint import save_meta  # noqa: E402
+from model import meta_ffn_hidden_dim  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 FORTUNES = "/usr/share/games/fortunes"
@@ -144,7 +145,7 @@ def build_model(a, vocab_size: int):
             "vocab_size": vocab_size, "multiple_of": a.multiple_of, "norm_eps": 1e-5, "rope_theta": 10000.0}
     config = LlamaConfig(hidden_size=a.dim, num_hidden_layers=a.layers, num_attention_heads=a.heads,
                          num_key_value_heads=a.kv_heads, vocab_size=vocab_size,
-                         intermediate_size=llama2.meta_ffn_hidden_dim(4 * a.dim, a.multiple_of, None),
+                         intermediate_size=meta_ffn_hidden_dim(4 * a.dim, a.multiple_of, None),
                          rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=a.seq_len,
                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(a.seed)
@@ -200,14 +201,14 @@ def check_and_sample(model, folder: str, val_rows: torch.Tensor):
     tokens = val_rows[:1, :64]
     with torch.no_grad():
         want = model.eval()(input_ids=tokens).logits
-    got = llama.model(tokens, 0)
+    got = llama.runner(tokens, 0)
     err = ((got - want).abs().max() / want.abs().max()).item()
     print(f"saved model vs trained model: max logit difference {err:.1e} of the largest logit")
     assert err < 1e-3, "the saved checkpoint does not reproduce the trained model"
-    for prompt, out in zip(PROMPTS, generate.text_completion(llama.model, llama.tokenizer, PROMPTS, max_gen_len=40,
+    for prompt, out in zip(PROMPTS, generate.text_completion(llama.runner, llama.tokenizer, PROMPTS, max_gen_len=40,
                                                               temperature=0.7, top_p=0.9, seed=1)):
         print(f"\n> {prompt}\n{out['generation']}")
-    for turns, out in zip(CHAT, generate.chat_completion(llama.model, llama.tokenizer, CHAT, max_gen_len=60,
+    for turns, out in zip(CHAT, generate.chat_completion(llama.runner, llama.tokenizer, CHAT, max_gen_len=60,
                                                           temperature=0.7, top_p=0.9, seed=1)):
         print(f"\n[user] {turns[-1]['content']}\n[assistant] {out['generation']['content']}")
 

@@ -1,0 +1,85 @@
+"""Attention over the paged KV cache by gathering: each sequence's blocks are copied out of
+the pool and attended with scaled_dot_product_attention. The runner builds one
+GatherAttention per forward pass (the metadata, its tensors made once for every layer);
+each layer's Attention hands it its queries, keys and values and its cache (model.py)."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from batch import Batch
+
+
+@dataclass
+class GatherAttention:
+    """A forward pass's attention metadata. Decoding rows come first, attended in one
+    batched call; then each prefill chunk. A chunk without a mask is a prompt's first
+    chunk: causal over its own keys only."""
+    slots: torch.Tensor  # where each token's keys and values go: block * block_size + offset
+    decode_blocks: torch.Tensor | None  # (n_decode, blocks)
+    decode_mask: torch.Tensor | None  # (n_decode, 1, 1, blocks * block_size), additive
+    chunks: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (start, length, blocks, mask)
+
+    @classmethod
+    def build(cls, batch: Batch, positions: torch.Tensor, block_size: int, dtype: torch.dtype) -> "GatherAttention":
+        """The metadata of batch, with the additive masks made once: each query sees the
+        keys at its own position and before."""
+        device = positions.device
+        decode_blocks = decode_mask = None
+        if batch.n_decode:
+            width = max(map(len, batch.decode_blocks))
+            decode_blocks = torch.tensor([b + [0] * (width - len(b)) for b in batch.decode_blocks], device=device)
+            key_pos = torch.arange(width * block_size, device=device)
+            decode_mask = additive_mask(key_pos <= positions[:batch.n_decode, None], dtype)[:, None, None]
+        chunks, start = [], batch.n_decode
+        for length, blocks in batch.chunks:
+            mask = None
+            if batch.positions[start] > 0:  # earlier keys are in the cache: gather them
+                key_pos = torch.arange(len(blocks) * block_size, device=device)
+                mask = additive_mask(key_pos <= positions[start:start + length, None], dtype)[None, None]
+            chunks.append((start, length, torch.tensor(blocks, device=device), mask))
+            start += length
+        return cls(torch.tensor(batch.slots, device=device), decode_blocks, decode_mask, chunks)
+
+    def attend(self, xq, xk, xv, cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+        """Store the new keys and values (tokens, kv heads, head_dim) in the cache, then attend
+        with the queries (tokens, heads, head_dim) -> (tokens, heads, head_dim)."""
+        n_kv, head_dim = cache_k.shape[0], cache_k.shape[-1]
+        for cache, new in ((cache_k, xk), (cache_v, xv)):
+            cache.view(n_kv, -1, head_dim).index_copy_(1, self.slots, new.transpose(0, 1))
+        gqa = xq.shape[1] != n_kv
+        parts = []
+        if self.decode_blocks is not None:
+            keys, values = gather(cache_k, cache_v, self.decode_blocks)
+            q = xq[:self.decode_blocks.shape[0]].unsqueeze(2)  # (rows, heads, 1, head_dim)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.decode_mask, enable_gqa=gqa)
+            parts.append(out.squeeze(2))
+        for start, length, blocks, mask in self.chunks:
+            q = xq[start:start + length].transpose(0, 1).unsqueeze(0)
+            if mask is None:
+                keys = xk[start:start + length].transpose(0, 1).unsqueeze(0)
+                values = xv[start:start + length].transpose(0, 1).unsqueeze(0)
+                out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
+            else:
+                keys, values = gather(cache_k, cache_v, blocks.unsqueeze(0))
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+            parts.append(out[0].transpose(0, 1))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def gather(cache_k: torch.Tensor, cache_v: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of rows of blocks (rows, n): (rows, kv heads, n * block_size, head_dim)."""
+    rows, n = blocks.shape
+    flat = blocks.reshape(-1)
+    out = []
+    for cache in (cache_k, cache_v):
+        n_kv, head_dim = cache.shape[0], cache.shape[-1]
+        kv = cache.index_select(1, flat)  # (kv heads, rows * n, block_size, head_dim)
+        out.append(kv.view(n_kv, rows, -1, head_dim).transpose(0, 1))
+    return out[0], out[1]
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # made once per forward: attention would otherwise convert a boolean mask in every layer
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))

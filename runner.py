@@ -1,0 +1,184 @@
+"""The model runner: runs a Transformer over the paged KV cache. It owns the cache (one pool
+of blocks per layer, attached to each Attention), turns the engine's Batch into the
+network's inputs and attention metadata (attention.py, the one place an attention backend
+plugs in), compiles the decode step and captures and replays its CUDA graphs."""
+
+import torch
+
+from attention import GatherAttention
+from batch import Batch
+from model import Transformer
+
+KV_BLOCK_SIZE = 16  # tokens per KV-cache block
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, max_batch_size: int, max_seq_len: int, num_blocks: int | None = None,
+                 kv_cache_bytes: int = 0):
+        """model: loaded, on its device. The cache holds num_blocks blocks of block_size tokens
+        per layer, or as many as kv_cache_bytes holds on this rank, or by default enough for
+        max_batch_size rows of max_seq_len tokens (what __call__ addresses as rows)."""
+        self.model = model
+        weight = model.tok_embeddings.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.block_size = KV_BLOCK_SIZE
+        self.compiled_decode = None  # set by compile_decode
+        self.decode_buckets: tuple[list[int], list[int]] | None = None  # compile_decode(cuda_graphs=True)
+        self.allocate(max_batch_size, max_seq_len, num_blocks or kv_cache_bytes // self.kv_block_bytes() or None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def allocate(self, max_batch_size: int | None = None, max_seq_len: int | None = None,
+                 num_blocks: int | None = None):
+        """(Re)allocate the rotary table and the KV cache; arguments not given keep their value
+        (num_blocks: the default for the sizes)."""
+        self.max_batch_size = max_batch_size or self.max_batch_size
+        self.max_seq_len = max_seq_len or self.max_seq_len
+        limit = self.model.params.max_position_embeddings
+        if limit and self.max_seq_len > limit:
+            raise ValueError(f"max_seq_len {self.max_seq_len} exceeds the {limit} positions "
+                             "the model was trained for (max_position_embeddings)")
+        self.model.setup_rope(self.max_seq_len)
+        self.row_blocks = -(-self.max_seq_len // self.block_size)  # blocks of one row of __call__
+        self.num_blocks = num_blocks or self.max_batch_size * self.row_blocks
+        if self.num_blocks < self.row_blocks:
+            raise ValueError(f"a KV cache of {self.num_blocks} blocks of {self.block_size} tokens cannot hold one "
+                             f"sequence of max_seq_len {self.max_seq_len}")
+        self.attach_cache(self.num_blocks)
+
+    def attach_cache(self, num_blocks: int):
+        """A zeroed cache of num_blocks blocks for every layer's attention, on this rank's heads."""
+        for layer in self.model.layers:
+            attn = layer.attention
+            shape = (attn.n_local_kv_heads, num_blocks, self.block_size, attn.head_dim)
+            attn.cache_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.cache_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV-cache block on this rank, all layers (in the weights' dtype)."""
+        attn = self.model.layers[0].attention
+        return (2 * self.model.n_layers * attn.n_local_kv_heads * self.block_size * attn.head_dim
+                * self.dtype.itemsize)
+
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.kv_block_bytes()
+
+    @torch.inference_mode()
+    def forward_batch(self, batch: Batch) -> torch.Tensor:
+        """Logits (len(logits_at), vocab) of one pass over the sequences of batch."""
+        if self.decode_buckets is not None and not batch.chunks and batch.n_decode <= self.decode_buckets[0][-1]:
+            return self.bucketed_decode(batch)
+        logits_at = None if batch.logits_at is None else torch.tensor(batch.logits_at, device=self.device)
+        run = self.compiled_decode if self.compiled_decode is not None and not batch.chunks else self.model
+        return run(*self.model_inputs(batch), logits_at)
+
+    def model_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, GatherAttention]:
+        tokens = torch.tensor(batch.tokens, device=self.device)
+        positions = torch.tensor(batch.positions, device=self.device)
+        return tokens, positions, GatherAttention.build(batch, positions, self.block_size, self.dtype)
+
+    @torch.inference_mode()
+    def bucketed_decode(self, batch: Batch, rows: int | None = None, width: int | None = None,
+                        padding_position: int = 0):
+        """A decode-only batch in the fixed shapes of a CUDA graph: the rows padded up to the
+        next rows bucket, each block table padded (block 0, masked off) to the next blocks
+        bucket (or to rows and width blocks), logits for every row, logits_at picked
+        afterwards. A padding row reads and writes only the scratch block."""
+        n, size = batch.n_decode, self.block_size
+        rows = rows or next(b for b in self.decode_buckets[0] if b >= n)
+        width = width or next(w for w in self.decode_buckets[1] if w >= max(map(len, batch.decode_blocks)))
+        pad, scratch = rows - n, self.num_blocks  # the block past the pool's (compile_decode)
+        tables = [b + [0] * (width - len(b)) for b in batch.decode_blocks] + [[scratch] * width] * pad
+        padded = Batch(tokens=batch.tokens + [0] * pad, positions=batch.positions + [padding_position] * pad,
+                       slots=batch.slots + [scratch * size] * pad, n_decode=rows, decode_blocks=tables)
+        inputs = self.model_inputs(padded)
+        torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs may be overwritten now
+        logits = self.compiled_decode(*inputs, None)
+        wanted = torch.tensor(list(range(n) if batch.logits_at is None else batch.logits_at), dtype=torch.long,
+                              device=logits.device)
+        return logits[wanted]  # a copy: the graph's output buffer is overwritten by its next replay
+
+    def compile_decode(self, cuda_graphs: bool = False, **options):
+        """torch.compile the decode step (one token for each of several sequences), which
+        removes most of the per-operation overhead, and compile it now rather than in the
+        first requests. Shapes are dynamic, so that growing block tables do not recompile;
+        one row and several rows, one block and several, compile a graph each. Meant for one
+        model per process: torch.compile's recompile limit (8) counts every model's graphs.
+
+        cuda_graphs: also replay each decode step from a CUDA graph (mode "reduce-overhead"),
+        so that a GPU step costs its weights' bytes rather than hundreds of kernel launches.
+        A graph has fixed shapes and addresses: decode steps run padded (bucketed_decode), one
+        graph per (rows bucket, blocks bucket), all captured here, and the caches stay where
+        they are, with one more block for padding rows to write (they are allocated again
+        here: call it before serving). Off CUDA the same padded steps run compiled, without
+        graphs (the CPU dry run)."""
+        if cuda_graphs:  # a scratch block past those the pool hands out
+            self.attach_cache(self.num_blocks + 1)
+            options.setdefault("mode", "reduce-overhead")
+        for layer in self.model.layers:  # only the activations' sizes vary, not the caches'
+            for cache in (layer.attention.cache_k, layer.attention.cache_v):
+                torch._dynamo.mark_static(cache)
+                if cuda_graphs:  # written in place by the graphs: an input copied in would be lost
+                    torch._dynamo.mark_static_address(cache)
+        self.compiled_decode = torch.compile(self.model, dynamic=True, **options)
+        if cuda_graphs:
+            self.capture_graphs()
+        else:
+            self.warm_up()
+
+    def capture_graphs(self):
+        self.decode_buckets = (buckets(self.max_batch_size, 1), buckets(self.row_blocks, 4))
+        nothing = Batch(tokens=[], positions=[], slots=[])
+        for width in self.decode_buckets[1]:
+            position = min(width * self.block_size, self.max_seq_len) - 1
+            for rows in self.decode_buckets[0]:  # rows of padding only: the scratch block gets junk
+                for _ in range(3):  # cudagraph trees: a warm-up run, the capture, a replay
+                    self.bucketed_decode(nothing, rows, width, position)
+
+    def warm_up(self):
+        """A prefill (eager), then compiled decode steps of each kind; cache rows 0 and 1 get junk."""
+        rows = min(2, self.max_batch_size, self.num_blocks // self.row_blocks)  # a small cache may hold one
+        length = min(self.block_size + 2, self.max_seq_len - 1)
+        tokens = torch.zeros(rows, length, dtype=torch.long, device=self.device)
+        self(tokens, 0)
+        for pos in (1, length):
+            self(tokens[:1, :1], pos)
+            if rows > 1:
+                self(tokens[:, :1], [pos, pos - 1])
+
+    @torch.inference_mode()
+    def __call__(self, tokens: torch.Tensor, start_pos, slot: int = 0) -> torch.Tensor:
+        """Logits (batch, seq, vocab) for tokens (batch, seq) whose first token sits at
+        start_pos: one int for all rows, or a list with each row's own position. Row i's
+        keys and values live in the blocks of cache row slot + i (the KV cache seen as
+        max_batch_size rows of max_seq_len tokens, as in Meta's reference)."""
+        bsz, seqlen = tokens.shape
+        starts = [start_pos] * bsz if isinstance(start_pos, int) else list(start_pos)
+        end = max(starts) + seqlen
+        if (slot + bsz) * self.row_blocks > self.num_blocks or end > self.max_seq_len:
+            raise ValueError(f"cache rows {slot + bsz} x length {end} exceed the KV cache "
+                             f"({self.num_blocks // self.row_blocks} x {self.max_seq_len})")
+        batch = Batch(tokens=tokens.reshape(-1).tolist(), positions=[], slots=[])
+        tables = []
+        for row, start in enumerate(starts):
+            first = (slot + row) * self.row_blocks
+            table = list(range(first, first + -(-(start + seqlen) // self.block_size)))
+            positions = range(start, start + seqlen)
+            batch.positions += positions
+            batch.slots += [table[q // self.block_size] * self.block_size + q % self.block_size for q in positions]
+            tables.append(table)
+        if seqlen == 1:
+            batch.n_decode, batch.decode_blocks = bsz, tables
+        else:
+            batch.chunks = [(seqlen, table) for table in tables]
+        return self.forward_batch(batch).view(bsz, seqlen, -1)
+
+
+def buckets(limit: int, first: int) -> list[int]:
+    """Powers of two from first up to limit, and limit itself: the sizes graphs are captured for."""
+    sizes = [first]
+    while sizes[-1] * 2 < limit:
+        sizes.append(sizes[-1] * 2)
+    return [n for n in sizes if n < limit] + [limit]
