@@ -17,13 +17,13 @@ import logging
 import os
 import time
 
-from ts.metrics.metric_type_enum import MetricTypes
 from ts.torch_handler.base_handler import BaseHandler
 
 import collectives
 import loading
+import metrics
 import ranks
-from api import Job, Message
+from api import Message
 from engine import Engine
 from serving import InFlight
 from serving_config import ServingConfig
@@ -136,10 +136,11 @@ class LlamaHandler(BaseHandler):
             message = self.requests.guarded_message(job, item["id"])
             messages[idx] = job.http, message
             if message is not None and message.kind != "chunk":  # the request's last message
-                self.record_metrics(job)
+                if self.rank0:
+                    metrics.record_request(self.context.metrics, job)
                 self.requests.forget(item["id"])
         if self.rank0:
-            self.record_engine_metrics()
+            metrics.record_engine(self.context.metrics, self.engine, self.steps, self.engine_ms)
         if self.overlap:
             self.start_steps()
         return messages
@@ -198,31 +199,4 @@ class LlamaHandler(BaseHandler):
 
     def is_http(self, idx: int) -> bool:
         return any(k.lower() in ("url_path", "host") for k in self.context.get_all_request_header(idx))
-
-    def record_engine_metrics(self):
-        metrics, engine = self.context.metrics, self.engine
-        pool = engine.pool
-        for name, value in (("KVBlocksInUse", pool.num_used), ("KVBlocksTotal", pool.num_blocks),
-                            ("SequencesRunning", len(engine.scheduler.running)),
-                            ("SequencesWaiting", len(engine.scheduler.waiting)),
-                            ("PrefixCacheHitRate", pool.hits / pool.queries if pool.queries else 0.0),
-                            ("EngineSteps", self.steps)):
-            metrics.add_metric(name, value, "count", metric_type=MetricTypes.GAUGE)
-        metrics.add_metric("EngineTime", self.engine_ms, "ms", metric_type=MetricTypes.GAUGE)
-
-    def record_metrics(self, job: Job):
-        """Token counts and latencies of a finished request, as TorchServe custom metrics
-        (rank 0 only: every rank's metrics reach the frontend)."""
-        if not self.rank0 or not job.seqs or job.first_token is None:
-            return
-        metrics = self.context.metrics
-        completion = max(len(s.tokens) for s in job.seqs)
-        metrics.add_counter("PromptTokens", sum(len(s.prompt_tokens) for s in job.seqs[::job.request.n]))
-        metrics.add_counter("CompletionTokens", sum(len(s.sampled) for s in job.seqs))  # stop ids too
-        # Seconds: TorchServe 0.12 gives histograms Prometheus' default buckets (5 ms to 10 s)
-        # and has no setting for others, so milliseconds would all land in +Inf.
-        metrics.add_metric("TimeToFirstToken", job.first_token - job.arrival, "s", metric_type=MetricTypes.HISTOGRAM)
-        if completion > 1:
-            per_token = (time.perf_counter() - job.first_token) / (completion - 1)
-            metrics.add_metric("TimePerOutputToken", per_token, "s", metric_type=MetricTypes.HISTOGRAM)
 
