@@ -195,7 +195,7 @@ class Transformer(nn.Module):
         self.output_group = None  # set when the vocabulary is split: logits are all-gathered
         self.embed_group = None  # likewise: each rank embeds its part of the vocabulary, summed over ranks
         self.embed_start = 0  # the first token id of this rank's part
-        self.freqs_cis: torch.Tensor | None = None  # setup_rope
+        self.register_buffer("freqs_cis", None, persistent=False)  # setup_rope
         self.tie_weights()
 
     def tie_weights(self):
@@ -205,7 +205,8 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def setup_rope(self, n_positions: int):
-        """The rotary table for positions 0 to n_positions - 1, on the weights' device (after loading)."""
+        """The rotary table for positions 0 to n_positions - 1, on the weights' device (after
+        loading). A buffer: compiled graphs take it as a static input, not one to copy in."""
         p = self.params
         table = precompute_freqs_cis(p.head_dim, n_positions, p.rope_theta, p.rope_scaling)
         self.freqs_cis = table.to(self.tok_embeddings.weight.device)

@@ -108,7 +108,8 @@ def measure(folder: str, out_dir: str, quantization: str):
     model = llama.model
     caches = [t for layer in model.layers for t in (layer.attention.cache_k, layer.attention.cache_v)]
     rank = collectives.tp_world()[0]
-    weights = [*model.parameters(), *model.buffers()]  # quantized weights and scales are buffers
+    # quantized weights and scales are buffers; the rotary table is not a weight
+    weights = [*model.parameters(), *(b for name, b in model.named_buffers() if name != "freqs_cis")]
     result = {"rank": rank, "world_size": world_size, "seconds": seconds, "quantization": quantization,
               "shard": sum(t.numel() * t.element_size() for t in weights),
               "kv_cache": sum(t.numel() * t.element_size() for t in caches),

@@ -99,7 +99,7 @@ def step_bytes(model: llama2.Transformer) -> int:
     """Bytes of weights one decode step reads: everything but the embedding table, of
     which it reads one row per token. Quantized weights and their scales are buffers."""
     return sum(t.numel() * t.element_size() for name, t in [*model.named_parameters(), *model.named_buffers()]
-               if not name.startswith("tok_embeddings"))
+               if not name.startswith(("tok_embeddings", "freqs_cis")))
 
 
 def comm_ms(args: llama2.ModelArgs, batch: int, gather: bool) -> float:

@@ -1,0 +1,93 @@
+"""Serving speed of this tree against an earlier commit, through TorchServe, in one run:
+
+    python bench/serving_ab.py [--baseline f9e32b2] [--rounds 2] [--no-write]
+
+Each round starts a private TorchServe (tools/local_server.py: TP=2, batchSize 8, the
+handler's settings as configured) on the baseline's files (from `git archive`) and one on
+this tree's, one after the other, on the same random Llama (bench/serving.py's ~21M shape);
+each server measures a single stream (128 new tokens, greedy, EOS off: its decode tokens/s
+after the first token, median of 5) and 8 clients (64 streamed requests of 16-64 prompt and
+64 new tokens: output tokens/s). The median over rounds is compared. Writes its table into
+BENCHMARKS.md (serving_ab).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import report
+import serving
+from engine_workloads import checkout, served
+
+SINGLE = {"max_new_tokens": 128, "temperature": 0, "ignore_eos": True, "stream": True}
+
+
+def single_stream(target, prompt: str, reps: int = 5) -> float:
+    target.send(SINGLE | {"prompt": prompt, "max_new_tokens": 8})  # first-call costs out of the way
+    rates = []
+    for _ in range(reps):
+        r = target.send(SINGLE | {"prompt": prompt})
+        rates.append((r.output_tokens - 1) / (r.latency - r.ttft))
+    return statistics.median(rates)
+
+
+def eight_clients(target, bodies: list[dict], seed: int) -> float:
+    serving.run_one_by_one(target, [b | {"max_new_tokens": 2} for b in bodies[:2]])  # warm-up
+    results, duration = serving.run_load(target, bodies, 8, float("inf"), 0.0, seed)
+    errors = [r.error for r in results if r.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    return serving.summarize(results, duration)["output_throughput"]
+
+
+def measure(server, prompt: str, bodies: list[dict], seed: int) -> dict:
+    target = serving.Target(server.url, server.key)
+    return {"single": single_stream(target, prompt), "clients8": eight_clients(target, bodies, seed)}
+
+
+def run(a) -> dict:
+    prompts = serving.make_prompts(64, 16, 64, serving.TOKENIZER, a.seed)
+    bodies = serving.request_bodies(prompts, 64, 0.6)
+    runs = {"baseline": [], "this tree": []}
+    with tempfile.TemporaryDirectory(prefix="bench_serving_ab_") as tmp:
+        roots = {"baseline": checkout(a.baseline, os.path.join(tmp, "baseline")), "this tree": serving.ROOT}
+        ckpt, _ = serving.write_checkpoint(os.path.join(tmp, "ckpt"), 512, 6, 8)
+        for i in range(a.rounds):
+            for name, root in roots.items():
+                begin = time.perf_counter()
+                m = served(tmp, f"{name.replace(' ', '_')}-{i}", ckpt,
+                           lambda s: measure(s, prompts[0], bodies, a.seed), root=root)
+                runs[name].append(m)
+                print(f"round {i} {name}: {m} ({time.perf_counter() - begin:.0f} s)", file=sys.stderr)
+    return runs
+
+
+def section(a, runs: dict, argv: list[str]) -> str:
+    def median(name, key):
+        return statistics.median(m[key] for m in runs[name])
+
+    lines = [f"`{' '.join(['python', 'bench/serving_ab.py'] + argv)}` — {report.header()}; this tree "
+             f"{serving.revision()} against {a.baseline}, {a.rounds} rounds, medians.", "",
+             "| part | baseline | this tree | ratio | each round (this tree / baseline) |", "|---|---|---|---|---|"]
+    for key, title in (("single", "single stream, decode tokens/s"), ("clients8", "8 clients, output tokens/s")):
+        base, ours = median("baseline", key), median("this tree", key)
+        each = ", ".join(f"{o[key] / b[key]:.3f}" for o, b in zip(runs["this tree"], runs["baseline"]))
+        lines.append(f"| {title} | {base:.1f} | {ours:.1f} | {ours / base:.3f} | {each} |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--baseline", default="f9e32b2")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-write", action="store_true")
+    a = ap.parse_args()
+    report.publish("serving_ab", section(a, run(a), sys.argv[1:]), write=not a.no_write)
+
+
+if __name__ == "__main__":
+    main()
