@@ -49,9 +49,10 @@ class LlamaHandler(BaseHandler):
     def load(self, ctx):
         config = ServingConfig.from_model_config(ctx.model_yaml_config)  # what make serve checked
         self.max_seq_len = config.max_seq_len
-        slots = int(ctx.system_properties.get("batch_size") or 1)  # batchSize: sequences decoded together
-        engine, run = loading.load(config, ctx.system_properties["model_dir"], slots, self.world_size, self.progress)
-        config.limits.max_prompts = min(config.limits.max_prompts, slots)
+        batch_size = int(ctx.system_properties.get("batch_size") or 1)  # batchSize: sequences decoded together
+        engine, run = loading.load(config, ctx.system_properties["model_dir"], batch_size, self.world_size,
+                                   self.progress)
+        config.limits.max_prompts = min(config.limits.max_prompts, batch_size)
         self.use_engine(engine, self.in_flight(engine, config.limits, config.defaults, ctx.model_name),
                         run.steps_per_iteration, run.overlap)
         self.rank0 = self.rank == 0

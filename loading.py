@@ -13,26 +13,26 @@ from serving_config import Machine, Resolved, ServingConfig
 logger = logging.getLogger(__name__)
 
 
-def load(config: ServingConfig, model_dir: str, slots: int, world_size: int,
+def load(config: ServingConfig, model_dir: str, batch_size: int, world_size: int,
          progress: "Progress") -> tuple[Engine, Resolved]:
-    """The engine of config's checkpoint (relative to model_dir) for slots sequences decoded
+    """The engine of config's checkpoint (relative to model_dir) for batch_size sequences decoded
     together (batchSize), and config's auto settings decided for this machine."""
     checkpoint = os.path.join(model_dir, config.checkpoint)
     tokenizer = os.path.join(model_dir, config.tokenizer or config.checkpoint)
     start = time.perf_counter()
     llama = tp_llama(None, checkpoint, tokenizer, world_size, dtype=config.torch_dtype,
-                     max_batch_size=slots, max_seq_len=config.max_seq_len, kv_cache_bytes=config.kv_cache_bytes,
+                     max_batch_size=batch_size, max_seq_len=config.max_seq_len, kv_cache_bytes=config.kv_cache_bytes,
                      progress=progress, quantization=config.quantization_mode)
     logger.info("loaded %s on %d rank(s) in %.1f s: %s", checkpoint, world_size,
                 time.perf_counter() - start, llama.model.params)
     logger.info("tokenizer %s (%s), chat format %s", llama.tokenizer.path, type(llama.tokenizer).__name__,
                 chat_format.format_name(llama.tokenizer))
     runner = llama.runner
-    run = config.resolve(Machine.here(runner.device.type == "cuda", slots, world_size))
+    run = config.resolve(Machine.here(runner.device.type == "cuda", batch_size, world_size))
     logger.info("KV cache: %d blocks of %d tokens (%.1f MB on this rank), prefix caching %s, %s",
                 runner.num_blocks, runner.block_size, runner.kv_cache_bytes() / 1e6,
                 "on" if config.prefix_caching else "off", run)
-    engine = Engine(runner, llama.tokenizer, slots, run.max_batched_tokens, config.prefix_caching,
+    engine = Engine(runner, llama.tokenizer, batch_size, run.max_batched_tokens, config.prefix_caching,
                     threaded=run.overlap)
     if config.compile:  # on the thread that will run the steps
         start = time.perf_counter()

@@ -44,12 +44,13 @@ class Scheduler:
         seq.table.free()
 
     @staticmethod
-    def pending(seq) -> int:
+    def uncached(seq) -> int:
+        """The sequence's tokens not in the KV cache yet: what it still needs computed."""
         return len(seq.prompt_tokens) + len(seq.tokens) - seq.cached
 
     def is_decode(self, w: Work) -> bool:
         """A single token that is the sequence's last: it goes in the batch's decode rows."""
-        return w.n == 1 and self.pending(w.seq) == 1
+        return w.n == 1 and self.uncached(w.seq) == 1
 
     def schedule(self) -> list[Work]:
         """This step's work: one token for each decoding sequence, then prefill chunks of
@@ -58,9 +59,9 @@ class Scheduler:
         work = []
         for decoding in (True, False):
             for seq in list(self.running):
-                if seq not in self.running or (self.pending(seq) == 1) != decoding or budget <= 0:
+                if seq not in self.running or (self.uncached(seq) == 1) != decoding or budget <= 0:
                     continue
-                n = min(self.pending(seq), budget)
+                n = min(self.uncached(seq), budget)
                 if self.make_room(seq, seq.cached + n):
                     work.append(Work(seq, n))
                     budget -= n
@@ -97,7 +98,7 @@ class Scheduler:
 
     def admit(self, seq, budget: int) -> int:
         """How many tokens of a waiting sequence to compute this step (0: it keeps waiting).
-        It starts only if the blocks for all its pending tokens are free, so that it does
+        It starts only if the blocks for all its uncached tokens are free, so that it does
         not preempt running sequences to finish its prompt."""
         tokens = seq.prompt_tokens + seq.tokens
         if self.pool.caching and not seq.needs_prompt_logprobs:
@@ -109,4 +110,4 @@ class Scheduler:
         seq.table.grow(len(tokens))
         self.pool.queries += len(tokens)
         self.pool.hits += seq.cached
-        return min(self.pending(seq), budget)
+        return min(self.uncached(seq), budget)

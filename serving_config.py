@@ -124,7 +124,7 @@ class ServingConfig:
             overlap = overlap_by_default(machine.on_gpu, machine.cores, machine.threads_in_use)
         budget = self.max_batched_tokens
         if budget == AUTO:
-            budget = default_token_budget(machine.slots, machine.on_gpu)
+            budget = default_token_budget(machine.batch_size, machine.on_gpu)
         steps = (self.steps_per_iteration, self.steps_per_iteration, 0.0)
         if self.steps_per_iteration == AUTO:  # overlapped steps hide the round trip; in turn, 4+ amortize it
             steps = (1, 1, 0.0) if overlap else (*IN_TURN_STEPS, IN_TURN_SECONDS)
@@ -142,13 +142,13 @@ class Machine:
     on_gpu: bool  # the model's weights are on a GPU
     cores: int  # the CPU cores this rank may run on
     threads_in_use: int  # the compute threads of the ranks on this machine
-    slots: int  # batchSize: the most sequences decoded together
+    batch_size: int  # batchSize: the most sequences decoded together
 
     @classmethod
-    def here(cls, on_gpu: bool, slots: int, world_size: int) -> "Machine":
+    def here(cls, on_gpu: bool, batch_size: int, world_size: int) -> "Machine":
         """This rank's machine: its cores, and torch's threads on each of the machine's ranks."""
         ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        return cls(on_gpu, len(os.sched_getaffinity(0)), ranks_here * torch.get_num_threads(), slots)
+        return cls(on_gpu, len(os.sched_getaffinity(0)), ranks_here * torch.get_num_threads(), batch_size)
 
 
 @dataclass(frozen=True)

@@ -72,18 +72,18 @@ def test_settings_left_out_get_the_defaults_and_good_ones_are_kept():
     assert config.defaults.temperature == 0 and config.limits == Limits(max_prompts=2)
 
 
-GPU = Machine(on_gpu=True, cores=2, threads_in_use=2, slots=8)
-CPU_WITH_A_SPARE_CORE = Machine(on_gpu=False, cores=3, threads_in_use=2, slots=8)
-CPU_ALL_BUSY = Machine(on_gpu=False, cores=2, threads_in_use=2, slots=8)
+GPU = Machine(on_gpu=True, cores=2, threads_in_use=2, batch_size=8)
+CPU_WITH_A_SPARE_CORE = Machine(on_gpu=False, cores=3, threads_in_use=2, batch_size=8)
+CPU_ALL_BUSY = Machine(on_gpu=False, cores=2, threads_in_use=2, batch_size=8)
 
 
 @pytest.mark.parametrize("machine, overlap, budget, steps", [
     (GPU, True, 512, (1, 1, 0.0)),
     (CPU_WITH_A_SPARE_CORE, True, 64, (1, 1, 0.0)),
     (CPU_ALL_BUSY, False, 64, (4, 16, 0.2)),
-    (Machine(on_gpu=False, cores=16, threads_in_use=16, slots=8), False, 64, (4, 16, 0.2)),
-    (Machine(on_gpu=False, cores=2, threads_in_use=2, slots=100), False, 100, (4, 16, 0.2)),  # a token per slot
-    (Machine(on_gpu=True, cores=2, threads_in_use=2, slots=1000), True, 1000, (1, 1, 0.0)),
+    (Machine(on_gpu=False, cores=16, threads_in_use=16, batch_size=8), False, 64, (4, 16, 0.2)),
+    (Machine(on_gpu=False, cores=2, threads_in_use=2, batch_size=100), False, 100, (4, 16, 0.2)),  # a token per slot
+    (Machine(on_gpu=True, cores=2, threads_in_use=2, batch_size=1000), True, 1000, (1, 1, 0.0)),
 ])
 def test_auto_settings_follow_the_machine(machine, overlap, budget, steps):
     run = ServingConfig().resolve(machine)
