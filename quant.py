@@ -19,12 +19,8 @@ from torch import nn
 MODES = ("int8", "int4")
 INT4_GROUP_SIZE = 32  # divides every Llama-2/3 shard up to TP=8 (Llama-2-7B's w2 at TP=8 is 1376 wide)
 INT4_GROUP_SIZES = (32, 64, 128)
-# The output projection is quantized in int8 in both modes. Measured on the demo (tests/test_quant.py's
-# held-out text, perplexity change / top-1 agreement with the unquantized model): int8 blocks with the
-# output in fp32 -0.08% / 99.3%, with it in int8 -0.02% / 98.4%; int4 blocks (groups of 32) with the
-# output in fp32 +0.16% / 93.1%, in int8 +0.17% / 93.4%, in int4 +0.68% / 90.5%. int8 of it costs no
-# perplexity and reads a quarter of its fp32 bytes, which bench/load_memory.py's model needs to reach
-# its memory targets (its output projection is 4% of its weights).
+# The output projection is quantized in int8 in both modes: it costs no perplexity and reads a quarter
+# of its fp32 bytes (docs/quantization.md, the output projection).
 OUTPUT_MODE = {"int8": "int8", "int4": "int8"}
 ROW_PARALLEL = ("attention.wo", "feed_forward.w2")  # their shards hold part of each row
 
