@@ -12,9 +12,12 @@ from collections.abc import Iterator
 from datetime import datetime
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import meta, nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
+
+
+OPTIONS = {"trim_blocks": True, "lstrip_blocks": True, "extensions": ["jinja2.ext.loopcontrols"]}
 
 
 @functools.lru_cache(maxsize=8)
@@ -29,7 +32,7 @@ def compile_template(template: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = BoundedSandbox(**OPTIONS)
     env.filters["tojson"] = tojson
     env.filters = {name: bounded_filter(name, f) for name, f in env.filters.items()}
     env.filters |= {"_counted": counted, "_checked": checked, "_written": written}  # what CountSteps adds
@@ -38,6 +41,12 @@ def compile_template(template: str):
     del env.globals["lipsum"]  # paragraphs by the count: no chat template needs them
     return env.from_string(template)
 
+
+@functools.lru_cache(maxsize=8)
+def given_names(template: str) -> frozenset:
+    """The names template reads from what it is given (messages, tools, bos_token, ...), found
+    in its syntax tree without running it. Raises jinja2.TemplateSyntaxError."""
+    return frozenset(meta.find_undeclared_variables(jinja2.Environment(**OPTIONS).parse(template)))
 
 
 # --- bounds on a template's rendering -------------------------------------------------------
