@@ -3,15 +3,19 @@ sequence; each step() asks the scheduler what to compute (one token for each run
 sequence, then chunks of prompts, within a token budget), runs it as one forward pass,
 and samples a token for every sequence whose cached tokens reached its end. Sequences join
 and leave between steps (continuous batching), and a prompt whose beginning is cached
-(prefix caching) computes only the rest.
+(prefix caching) computes only the rest. A sequence with a constraint (structured outputs)
+samples among the tokens its grammar allows, a mask computed on the CPU while the forward
+pass runs, and ends when the grammar is complete.
 
 Every tensor-parallel rank must make the same calls in the same order: the scheduler
-decides alike on every rank, and the sampled tokens are broadcast from rank 0.
+decides alike on every rank, and the sampled tokens are broadcast from rank 0 (which alone
+computes grammar masks; every rank's matchers consume the same tokens).
 
 A server runs the steps on the engine's own thread (start, then wait), so that they
 overlap what it does meanwhile; run() and step() work on the caller's thread too, and an
 engine made with threaded=False runs start()'s function on the caller's thread as well."""
 
+import functools
 import itertools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,11 +23,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 import collectives
+import structured
 from batch import Batch
 from kv_cache import BlockPool
 from sampler import adjust_logits, sample, token_logprobs
 from scheduler import Scheduler, Work
 from sequence import SamplingParams, Sequence
+from structured import Constraint, Matcher
 from tokenizer import TextStream
 
 
@@ -49,6 +55,8 @@ class Engine:
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=use_device,
                                          initargs=(self.device,)) if threaded else None
         self.pending: Future | None = None
+        # grammar masks are computed here while the forward pass runs (llguidance leaves the GIL)
+        self.masker = ThreadPoolExecutor(1, thread_name_prefix="masks")
         self.pace = 0.0  # seconds per step in the last run(), 0 before the first
 
     @property
@@ -94,6 +102,18 @@ class Engine:
             seq.counts = torch.zeros(vocab, device=self.device)
             seq.seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
             seq.seen[seq.prompt_tokens] = True
+        if p.constraint is not None:
+            seq.matcher = self.matcher(p.constraint)
+
+    @functools.cached_property
+    def vocabulary(self) -> structured.Vocabulary:
+        """The tokenizer's tokens as llguidance sees them, with the model's vocabulary size;
+        built at the first constraint (a second for 128k tokens), not for servers that get none."""
+        return structured.vocabulary(self.tokenizer, self.runner.vocab_size)
+
+    def matcher(self, constraint: Constraint) -> Matcher:
+        """A new sequence's matcher for constraint; ValueError, saying why, if it does not compile."""
+        return self.vocabulary.matcher(constraint)
 
     def release(self, seq: Sequence):
         """Forget a sequence (finished, or its request gone): its blocks go back to the pool."""
@@ -153,20 +173,19 @@ class Engine:
         if not work:
             return False
         batch, rows = self.batch(work)
+        # a token is due for each sequence whose last pending token this step computes (not a
+        # chunk of its prompt): known before the forward pass, so that its mask is computed meanwhile
+        to_sample = [(w.seq, last - 1) for w, (_, last) in zip(work, rows) if completes(w) and w.seq.params.max_gen_len]
+        masks = self.start_masks([seq for seq, _ in to_sample])
         logits = self.runner.forward_batch(batch)
-        to_sample = []
         for w, (first, last) in zip(work, rows):
             seq = w.seq
             if scores_prompt(seq):
                 self.add_prompt_logprobs(seq, logits[first:last])
-            seq.cached += w.n
-            if seq.cached < len(seq.prompt_tokens) + len(seq.tokens):
-                continue  # a chunk of its prompt: nothing to sample yet
-            if seq.params.max_gen_len == 0:
+            if completes(w) and seq.params.max_gen_len == 0:
                 seq.finish_reason = "length"  # a prompt to score, nothing to generate
-            else:
-                to_sample.append((seq, last - 1))
-        self.advance([s for s, _ in to_sample], logits[[row for _, row in to_sample]])
+            seq.cached += w.n
+        self.advance([s for s, _ in to_sample], logits[[row for _, row in to_sample]], masks)
         news = False
         for w in work:
             seq = w.seq
@@ -221,11 +240,21 @@ class Engine:
             seq.prompt_logprobs += chosen
             seq.prompt_top_logprobs += top
 
-    def advance(self, seqs: list[Sequence], logits: torch.Tensor):
-        """Sample a token for each sequence (rank 0's choice for every rank) and append it."""
+    def start_masks(self, seqs: list[Sequence]) -> Future | None:
+        """The masks of the constrained sequences among seqs (the ones about to sample: one
+        bitmask row each), started on the masks thread. Rank 0's alone: every rank samples,
+        but the tokens are rank 0's."""
+        rows = [(seq.matcher, i) for i, seq in enumerate(seqs) if seq.matcher is not None]
+        if not rows or collectives.tp_world()[0] != 0:
+            return None
+        return self.masker.submit(filled, structured.new_bitmask(len(seqs), self.runner.vocab_size), rows)
+
+    def advance(self, seqs: list[Sequence], logits: torch.Tensor, masks: Future | None = None):
+        """Sample a token for each sequence (rank 0's choice for every rank), within its
+        grammar's mask (masks: start_masks'), and append it."""
         if not seqs:
             return
-        next_tokens = sample(adjust_logits(logits, seqs), seqs)
+        next_tokens = sample(adjust_logits(logits, seqs, masks.result() if masks else None), seqs)
         if collectives.tp_world()[1] > 1:
             collectives.broadcast(next_tokens, src=0)
         asked = [s.params.top_logprobs for s in seqs if s.params.logprobs]
@@ -241,8 +270,7 @@ class Engine:
         offset = len(seq.text)  # where its text starts (a character it ends is held back until then)
         if token in seq.stop_ids:
             seq.stop_token = token
-            seq.add_text(seq.stream.flush())
-            seq.finish_reason = "stop"
+            finish(seq, "stop")
             offset = len(seq.text)  # it adds no text
         else:
             seq.tokens.append(token)
@@ -250,14 +278,35 @@ class Engine:
                 seq.counts[token] += 1
                 seq.seen[token] = True
             seq.add_text(seq.stream.add(token))
-            if not seq.done and len(seq.tokens) >= seq.params.max_gen_len:
-                seq.add_text(seq.stream.flush())
-                if not seq.done:
-                    seq.finish_reason = "length"
+            if seq.matcher is not None:
+                seq.matcher.consume(token)  # on every rank: they agree on when the grammar is finished
+            if seq.matcher is not None and seq.matcher.is_finished():
+                finish(seq, "stop")  # complete: nothing but a stop id could follow
+            elif len(seq.tokens) >= seq.params.max_gen_len:
+                finish(seq, "length")
         if logprob is not None:
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top)
             seq.text_offsets.append(offset)
+
+
+def finish(seq: Sequence, reason: str):
+    """End seq with reason, the text its stream held back flushed (a stop string in that text
+    ends it with "stop" first)."""
+    if not seq.done:
+        seq.add_text(seq.stream.flush())
+    if not seq.done:
+        seq.finish_reason = reason
+
+
+def filled(bitmask: torch.Tensor, rows: list[tuple[Matcher, int]]) -> torch.Tensor:
+    structured.fill_bitmasks(bitmask, rows)
+    return bitmask
+
+
+def completes(w: Work) -> bool:
+    """Whether w computes its sequence's last pending token, after which a token is due."""
+    return w.seq.cached + w.n >= len(w.seq.prompt_tokens) + len(w.seq.tokens)
 
 
 def use_device(device: torch.device):

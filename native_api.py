@@ -4,16 +4,17 @@ api.Format as openai_api's do."""
 import json
 
 import generate
-from api import (Defaults, Limits, Request, RequestError, get_bool, get_dialog, get_int, get_n, get_prompts,
-                 get_top_logprobs, sampling_fields, type_name)
+from api import (Defaults, Limits, Request, RequestError, get_bool, get_constraint, get_dialog, get_int, get_n,
+                 get_prompts, get_top_logprobs, sampling_fields, type_name)
 from sequence import Sequence
 
 NATIVE_FIELDS = {"prompt", "dialog", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
                  "stop", "logprobs", "top_logprobs", "echo", "stream", "n", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos"}
+                 "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "structured_outputs"}
 
 
-def parse(body, limits: Limits, defaults: Defaults) -> Request:
+def parse(body, limits: Limits, defaults: Defaults, matcher=None) -> Request:
+    """matcher: compiles a constraint (api.get_constraint)."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type_name(body)}", "body")
     unknown = sorted(set(body) - NATIVE_FIELDS)
@@ -38,6 +39,7 @@ def parse(body, limits: Limits, defaults: Defaults) -> Request:
     req.sampling["echo"] = get_bool(body, "echo")
     if req.chat and req.sampling["echo"]:
         raise RequestError("echo is only for text completion", "echo")
+    req.sampling["constraint"] = get_constraint(body, ("structured_outputs",), matcher)
     return req
 
 

@@ -16,10 +16,12 @@ from tokenizer import TextStream
 # best_of (generate several, answer the most probable) is not implemented: ask for n instead.
 NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""),
            "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-           "function_call": (None, "none"), "response_format": (None, {"type": "text"})}
+           "function_call": (None, "none")}
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs") + api.GUIDED_FIELDS  # OpenAI's, vLLM's, vLLM's older
 
 
-def parse(route: str, body, model_name: str, limits: Limits, defaults: Defaults) -> Request:
+def parse(route: str, body, model_name: str, limits: Limits, defaults: Defaults, matcher=None) -> Request:
+    """matcher: compiles a constraint (api.get_constraint)."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {api.type_name(body)}", None)
     model = body.get("model")
@@ -55,6 +57,7 @@ def parse(route: str, body, model_name: str, limits: Limits, defaults: Defaults)
     req.include_usage = api.get_bool(options, "include_usage")
     if req.stream and req.sampling["logprobs"]:
         raise RequestError("logprobs are not supported with stream", "logprobs")
+    req.sampling["constraint"] = api.get_constraint(body, CONSTRAINT_FIELDS, matcher)
     return req
 
 

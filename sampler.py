@@ -1,11 +1,12 @@
-"""The sampling math: batched tensor functions, one row per sequence, the same on every
-rank: logit_bias, penalties and masks (adjust_logits), then greedy or a draw after
+"""The sampling math: batched tensor functions, one row per sequence: logit_bias,
+penalties, a grammar's mask and min_tokens (adjust_logits), then greedy or a draw after
 temperature, top-k and top-p (sample), and the logprobs of the raw logits."""
 
 import torch
 import torch.nn.functional as F
 
 from sequence import Sequence
+from structured import apply_bitmask
 
 
 def nucleus(probs: torch.Tensor, p) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,14 +53,15 @@ def top_k_filter(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def adjust_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """The logits that each sequence samples from (the raw ones stay for logprobs): its
-    logit_bias added, then its penalties (vLLM's order), and its stop ids masked while it
-    has fewer than min_tokens tokens. Rows without such settings are left as they are."""
+    logit_bias added, then its penalties (vLLM's order), the tokens its grammar forbids
+    (bitmask: structured.py's, one row per sequence) and its stop ids masked while it has
+    fewer than min_tokens tokens. Rows without such settings are left as they are."""
     biased = [i for i, s in enumerate(seqs) if s.bias is not None]
     penalized = [i for i, s in enumerate(seqs) if s.counts is not None]
     blocked = [i for i, s in enumerate(seqs) if len(s.tokens) < s.params.min_tokens and s.stop_ids]
-    if not (biased or penalized or blocked):
+    if not (biased or penalized or blocked or bitmask is not None):
         return logits
     logits = logits.clone()
     if biased:
@@ -70,11 +72,15 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
                                 dtype=logits.dtype, device=logits.device)
         logits[penalized] = apply_penalties(logits[penalized], torch.stack([seqs[i].counts for i in penalized]),
                                             torch.stack([seqs[i].seen for i in penalized]), *settings.T)
+    if bitmask is not None:
+        apply_bitmask(logits, bitmask)
     if blocked:
         banned = torch.zeros(len(blocked), logits.shape[-1], dtype=torch.bool, device=logits.device)
         for row, i in enumerate(blocked):
             banned[row, list(seqs[i].stop_ids)] = True
-        logits[blocked] = mask_tokens(logits[blocked], banned)
+        held = mask_tokens(logits[blocked], banned)
+        # where a grammar allows a stop id alone, it ends the text before min_tokens: no token would be left
+        logits[blocked] = torch.where((held == float("-inf")).all(-1, keepdim=True), logits[blocked], held)
     return logits
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kv_cache import BlockTable
+from structured import Constraint, Matcher
 from tokenizer import TextStream
 
 
@@ -31,6 +32,7 @@ class SamplingParams:
     # new tokens decode to). False: the text is what the new tokens decode to on their own
     # (a chat message, as Meta's reference decodes an answer: no space left over from the layout).
     continue_prompt: bool = True
+    constraint: Constraint | None = None  # structured outputs: what the text must be, token by token
 
 
 @dataclass(eq=False)
@@ -61,6 +63,7 @@ class Sequence:
     bias: torch.Tensor | None = None
     counts: torch.Tensor | None = None
     seen: torch.Tensor | None = None
+    matcher: Matcher | None = None  # with params.constraint: where the tokens so far are in its grammar
     table: BlockTable | None = None  # set by the engine's scheduler
     cached: int = 0  # tokens whose keys and values are in the cache
 

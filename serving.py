@@ -65,9 +65,9 @@ class InFlight:
         """(request, [(prompt tokens, sampling params)], meta): what every rank's Job needs."""
         body = api.read_body(request_body(raw), self.limits)
         if route == "native":
-            request = native_api.parse(body, self.limits, self.defaults)
+            request = native_api.parse(body, self.limits, self.defaults, self.engine.matcher)
         else:
-            request = openai_api.parse(route, body, self.model_name, self.limits, self.defaults)
+            request = openai_api.parse(route, body, self.model_name, self.limits, self.defaults, self.engine.matcher)
         prompts = api.sequences(request, self.tokenizer, self.max_seq_len, self.limits, self.defaults)
         for tokens, params in prompts:  # all checks before any sequence is queued
             try:

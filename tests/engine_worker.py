@@ -1,10 +1,11 @@
 """The engine workload of test_engine.py, in-process or as one tensor-parallel rank under
 torchrun (tests/torchrun.py):
 
-    engine_worker.py OUT_DIR FOLDER
+    engine_worker.py OUT_DIR FOLDER [constrained]
 
 runs workload() on FOLDER (loaded with llama2.tp_llama on WORLD_SIZE ranks) once per entry
-of CONFIGS and saves {config: result} to OUT_DIR/rank{r}.pt."""
+of CONFIGS and saves {config: result} to OUT_DIR/rank{r}.pt; with constrained, runs
+constrained() (test_constrained.py's) alone and saves {"constrained": result}."""
 
 import os
 import sys
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from engine import Engine
 from sequence import SamplingParams
+from structured import Constraint
 
 SYSTEM = "You are a cheerful assistant. You answer every question briefly, kindly and with a joke. "
 QUESTIONS = ["What is the sea?", "Why is the sky blue?", "Tell me a story.", "Count to five."]
@@ -51,6 +53,28 @@ def workload(llama, caching: bool, budget: int, max_seqs: int = 4) -> dict:
             "queries": engine.pool.queries, "hits": engine.pool.hits, "preemptions": engine.scheduler.preemptions}
 
 
+CONSTRAINTS = [Constraint("json_schema", {"type": "object", "additionalProperties": False, "required": ["mood", "n"],
+                                          "properties": {"mood": {"enum": ["happy", "sad"]},
+                                                         "n": {"type": "integer", "minimum": 0, "maximum": 99}}}),
+               Constraint("regex", r"[a-z]{1,8}@[a-z]{2,8}\.(com|org|net)"), Constraint("choice", ["yes", "no"]),
+               Constraint("json_object"), None]
+
+
+def constrained(llama) -> dict:
+    """Sequences with each of CONSTRAINTS (and one without), greedy and seeded at temperature
+    1, in chunks of 16 tokens, more of them than max_seqs. Returns each one's tokens, text and
+    finish reason, and which are greedy."""
+    engine = Engine(llama.runner, llama.tokenizer, max_seqs=4, max_batched_tokens=16)
+    prompt = llama.tokenizer.encode(SYSTEM + "Answer:", bos=True, eos=False)
+    settings = [(c, temperature) for c in CONSTRAINTS for temperature in (0.0, 1.0)]
+    seqs = [engine.add(prompt, SamplingParams(max_gen_len=150, temperature=t, seed=7, constraint=c))
+            for c, t in settings]
+    while engine.running:
+        engine.step()
+    return {"tokens": [s.tokens for s in seqs], "texts": [s.text for s in seqs],
+            "finish_reasons": [s.finish_reason for s in seqs], "greedy": [t == 0 for _, t in settings]}
+
+
 def budgeted(llama, slow: bool) -> dict:
     """One sequence decoded by run(16, seconds) until done (seconds: about 4 steps at rank 0's
     first pace), this rank's pace taken as three times what it measured when slow (as if the ranks' clocks disagreed), and the same
@@ -74,11 +98,14 @@ def budgeted(llama, slow: bool) -> dict:
 def main():
     import llama2
 
-    out_dir, folder = sys.argv[1], sys.argv[2]
+    out_dir, folder, *mode = sys.argv[1:]
     world_size = int(os.environ["WORLD_SIZE"])
     llama = llama2.tp_llama(None, folder, None, world_size, max_batch_size=4, max_seq_len=256)
-    result = {config: workload(llama, *config) for config in CONFIGS}
-    result["budgeted"] = budgeted(llama, slow=dist.get_rank() == 1)
+    if mode == ["constrained"]:
+        result = {"constrained": constrained(llama)}
+    else:
+        result = {config: workload(llama, *config) for config in CONFIGS}
+        result["budgeted"] = budgeted(llama, slow=dist.get_rank() == 1)
     torch.save(result, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,349 @@
+"""Structured outputs end to end (issue 30, item 1): the request fields that ask for them
+(OpenAI's response_format, vLLM's structured_outputs and guided_*, the native
+structured_outputs) and what is refused, naming the field; the engine sampling within each
+sequence's grammar on the demo model (JSON schemas validated by jsonschema at temperature 1
+with several seeds, regexes, choices, JSON objects, grammars), ending at the grammar's end,
+or with "length" inside it; unconstrained sequences beside them unchanged; logprobs from the
+raw logits; min_tokens, stop ids, n, seeds, prefix caching and preemption; TP=2 ranks
+agreeing; and the openai client against TorchServe."""
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+import api
+import llama2
+import native_api
+import openai_api
+from api import Defaults, Limits, RequestError
+from conftest import DEMO
+from engine import Engine
+from engine_worker import CONSTRAINTS, constrained
+from sequence import SamplingParams
+from serving import InFlight
+from structured import Constraint
+from test_generate import ScriptedRunner
+from test_structured import LARK, REGEXES, SCHEMAS
+from torchrun import run
+
+MAX_SEQ_LEN = 512
+PROMPT = "Answer in JSON:"
+# schemas whose answers the demo model finishes well within max_gen_len (its runs of up to 24
+# blank lines, which JSON allows, make deeply nested ones long)
+VALIDATED = ["enum", "number_bounds", "tuple", "array_bounds", "optional_keys", "const"]
+CHOICES = ["yes", "no", "maybe so"]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return llama2.tp_llama(None, DEMO, None, 1, max_batch_size=8, max_seq_len=MAX_SEQ_LEN)
+
+
+@pytest.fixture
+def engine(llama):
+    return Engine(llama.runner, llama.tokenizer)
+
+
+def params(constraint: Constraint | None = None, **settings) -> SamplingParams:
+    return SamplingParams(**({"max_gen_len": 400, "temperature": 1.0, "top_p": 1.0} | settings), constraint=constraint)
+
+
+def generate(engine: Engine, requests: list[tuple[str, SamplingParams]]) -> list:
+    """Every (prompt, params) through the engine together; their sequences, done."""
+    tok = engine.tokenizer
+    seqs = [engine.add(tok.encode(prompt, bos=True, eos=False), p) for prompt, p in requests]
+    while engine.running:
+        engine.step()
+    assert engine.pool.num_used == 0
+    return seqs
+
+
+def check(constraint: Constraint, text: str):
+    """text is what constraint asks for (a grammar: LARK's arithmetic)."""
+    kind, value = constraint.kind, constraint.value
+    if kind == "json_schema":
+        jsonschema.validate(json.loads(text), value, format_checker=jsonschema.FormatChecker())
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict), text
+    elif kind == "regex":
+        assert re.fullmatch(value, text), (value, text)
+    elif kind == "choice":
+        assert text in value, text
+    else:
+        assert value == LARK and isinstance(eval(text), int), text
+
+
+# --- the engine ---------------------------------------------------------------------------------
+
+def test_json_schema_answers_validate(engine):
+    requests = [(PROMPT, params(Constraint("json_schema", SCHEMAS[name]), seed=seed))
+                for name in VALIDATED for seed in range(3)]
+    seqs = generate(engine, requests)
+    for seq in seqs:
+        assert seq.finish_reason == "stop" and seq.stop_token is None, seq.text  # the grammar's end
+        check(seq.params.constraint, seq.text)
+    assert len({seq.text for seq in seqs}) == len(seqs)  # temperature 1: every seed its own answer
+
+
+def test_regexes_choices_json_objects_and_grammars(engine):
+    requests = [("Call me at", params(Constraint("regex", pattern), seed=seed)) for pattern in REGEXES
+                for seed in range(2)]
+    requests += [("He said", params(Constraint("choice", CHOICES), seed=seed)) for seed in range(6)]
+    # top_p 0.5: at full temperature the demo model's free strings go on for hundreds of tokens
+    requests += [(PROMPT, params(Constraint("json_object"), seed=seed, top_p=0.5)) for seed in range(3)]
+    requests += [("2 + 2 =", params(Constraint("grammar", LARK), seed=seed)) for seed in range(2)]
+    seqs = generate(engine, requests)
+    assert all(seq.finish_reason == "stop" for seq in seqs), [seq.text for seq in seqs]
+    for seq in seqs:
+        check(seq.params.constraint, seq.text)
+    assert len({seq.text for seq in seqs if seq.params.constraint.kind == "choice"}) > 1
+
+
+def test_max_tokens_inside_a_structure_ends_with_length(engine):
+    schema = SCHEMAS["enum"]
+    seq, = generate(engine, [(PROMPT, params(Constraint("json_schema", schema), max_gen_len=5, seed=0))])
+    assert seq.finish_reason == "length" and len(seq.tokens) == 5 and seq.text.startswith("{")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(seq.text)
+
+
+def test_unconstrained_sequences_are_unchanged(llama):
+    """Greedy and seeded sequences, with logprobs and penalties, give the same tokens and
+    logprobs beside constrained ones as alone."""
+    free = [("Once upon a time", params(max_gen_len=24, temperature=0, logprobs=True)),
+            ("The secret of a happy life is", params(max_gen_len=24, seed=3, logprobs=True, top_logprobs=2)),
+            ("Why is the sky blue?", params(max_gen_len=24, seed=4, presence_penalty=0.5, top_k=20))]
+    alone = generate(Engine(llama.runner, llama.tokenizer), free)
+    constrained_ones = [(PROMPT, params(Constraint("json_schema", SCHEMAS["enum"]), seed=1)),
+                        ("He said", params(Constraint("choice", CHOICES), temperature=0))]
+    mixed = generate(Engine(llama.runner, llama.tokenizer), constrained_ones[:1] + free + constrained_ones[1:])[1:-1]
+    for a, m in zip(alone, mixed):
+        assert (m.tokens, m.text, m.finish_reason) == (a.tokens, a.text, a.finish_reason)
+        assert m.logprobs == pytest.approx(a.logprobs, abs=1e-5) and m.matcher is None
+
+
+def test_logprobs_are_the_raw_logits(engine):
+    """A constrained sequence's logprobs are the model's own for the tokens it took (as the
+    prompt's scores of the same tokens say), not the masked distribution's."""
+    tok = engine.tokenizer
+    seq, = generate(engine, [("He said", params(Constraint("choice", ["maybe so"]), temperature=0,
+                                                  logprobs=True))])
+    assert seq.text == "maybe so" and len(seq.logprobs) == len(seq.tokens)
+    prompt = tok.encode("He said", bos=True, eos=False)
+    scored = engine.add(prompt + seq.tokens, SamplingParams(max_gen_len=0, logprobs=True, echo=True))
+    while engine.running:
+        engine.step()
+    assert seq.logprobs == pytest.approx(scored.prompt_logprobs[len(prompt):], abs=1e-4)
+    assert min(seq.logprobs) < -1  # forced: not what the model would choose
+
+
+def eos_everywhere(tok) -> Engine:
+    """An engine whose model puts its weight on the stop id at every position (other ids: 0)."""
+    return Engine(ScriptedRunner({}, tok.n_words, tok.eos_id), tok)
+
+
+def test_min_tokens_holds_back_the_stop_id_where_the_grammar_accepts(llama):
+    tok = llama.tokenizer
+    digits = Constraint("regex", "[0-9]{1,8}")
+    plain, held = generate(eos_everywhere(tok), [("x", params(digits, temperature=0, max_gen_len=8)),
+                                                 ("x", params(digits, temperature=0, max_gen_len=8, min_tokens=3))])
+    assert len(plain.tokens) == 1 and len(held.tokens) == 3 and held.stop_token == tok.eos_id
+    assert re.fullmatch("[0-9]{3}", held.text)
+
+
+def test_min_tokens_never_leaves_no_token(llama):
+    """A grammar whose only allowed token is a stop id (here: one of stop_token_ids) ends the
+    text with it before min_tokens; a grammar complete before min_tokens ends it too."""
+    engine = eos_everywhere(llama.tokenizer)
+    a, = engine.vocabulary.ll.tokenize_str("a")  # the one token that makes the text "a"
+    only_a = params(Constraint("choice", ["a"]), temperature=0, stop_token_ids=(a,), min_tokens=2, max_gen_len=8)
+    choice = params(Constraint("choice", CHOICES), min_tokens=5, max_gen_len=8)
+    stopped, complete = generate(engine, [("x", only_a), ("x", choice)])
+    assert stopped.tokens == [] and stopped.stop_token == a and stopped.finish_reason == "stop"
+    assert complete.text in CHOICES and complete.finish_reason == "stop" and len(complete.tokens) < 5
+
+
+def test_n_choices_each_with_its_own_matcher(engine):
+    body = {"prompt": "He said", "n": 4, "seed": 11, "temperature": 1.0, "top_p": 1.0, "max_tokens": 20,
+            "guided_choice": CHOICES}
+    req = openai_api.parse("completions", body, "llama", Limits(), Defaults(), engine.matcher)
+    prompts = api.sequences(req, engine.tokenizer, engine.max_seq_len, Limits(), Defaults())
+    seqs = [engine.add(tokens, p) for tokens, p in prompts]
+    while engine.running:
+        engine.step()
+    assert len({id(seq.matcher) for seq in seqs}) == 4
+    texts = [seq.text for seq in seqs]
+    assert set(texts) <= set(CHOICES) and len(set(texts)) > 1, texts
+
+
+def test_seeded_answers_do_not_depend_on_the_batch(llama):
+    request = (PROMPT, params(Constraint("json_schema", SCHEMAS["tuple"]), seed=5))
+    alone, = generate(Engine(llama.runner, llama.tokenizer), [request])
+    others = [("Call me at", params(Constraint("regex", REGEXES[2]), seed=seed)) for seed in range(3)]
+    batched = generate(Engine(llama.runner, llama.tokenizer), others[:2] + [request] + others[2:])[2]
+    assert batched.tokens == alone.tokens and batched.text == alone.text
+
+
+def test_prefix_caching_keeps_the_answer(engine):
+    request = ("Call me at " * 8, params(Constraint("regex", REGEXES[2]), seed=2))
+    first, = generate(engine, [request])
+    again, = generate(engine, [request])
+    assert engine.pool.hits > 0 and again.tokens == first.tokens
+
+
+def test_preemption_keeps_the_grammar():
+    """A pool of 9 blocks of 16 tokens for four constrained sequences: some are preempted
+    (their matchers keep what they consumed) and recomputed; each gets the tokens it gets
+    alone, and they match their pattern."""
+    llama = llama2.tp_llama(None, DEMO, None, 1, max_batch_size=4, max_seq_len=128)
+    llama.runner.allocate(num_blocks=9)
+    pattern = "[a-z ]{10,80}"
+    requests = [(f"Story {i}: " + "once upon a time " * (2 + i), params(Constraint("regex", pattern), max_gen_len=24,
+                                                                         seed=i)) for i in range(4)]
+    alone = [generate(Engine(llama.runner, llama.tokenizer, prefix_caching=False), [r])[0] for r in requests]
+    engine = Engine(llama.runner, llama.tokenizer, max_seqs=4, prefix_caching=False)
+    seqs = generate(engine, requests)
+    assert engine.scheduler.preemptions > 0
+    assert [s.tokens for s in seqs] == [s.tokens for s in alone]
+    assert all(re.fullmatch("[a-z ]+", s.text) for s in seqs)  # max_gen_len ends them inside the pattern
+
+
+@pytest.mark.slow  # torchrun ranks
+def test_tp2_ranks_agree(llama, tmp_path):
+    """At TP=2 rank 0 alone computes masks; every rank's matchers consume its tokens, so the
+    ranks end the same sequences at the same step with the same text, and greedy answers
+    equal TP=1's."""
+    tp2, other = (rank["constrained"] for rank in run("engine_worker.py", 2, tmp_path, DEMO, "constrained"))
+    tp1 = constrained(llama)
+    assert tp2 == other
+    for key in ("tokens", "texts", "finish_reasons"):
+        assert [v for v, greedy in zip(tp2[key], tp1["greedy"]) if greedy] == \
+            [v for v, greedy in zip(tp1[key], tp1["greedy"]) if greedy], key
+    each = [c for c in CONSTRAINTS for _ in range(2)]  # greedy, then seeded
+    for constraint, text, reason in zip(each, tp2["texts"], tp2["finish_reasons"]):
+        if constraint is not None and reason == "stop":
+            check(constraint, text)
+    assert tp2["finish_reasons"].count("stop") >= 6, tp2
+
+
+# --- the requests ---------------------------------------------------------------------------------
+
+SCHEMA = SCHEMAS["enum"]
+ASKED = [  # (route, body fields, the constraint)
+    ("chat", {"response_format": {"type": "json_schema",
+                                  "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}},
+     Constraint("json_schema", SCHEMA)),
+    ("chat", {"response_format": {"type": "json_object"}}, Constraint("json_object")),
+    ("chat", {"response_format": {"type": "text"}}, None),
+    ("completions", {}, None),
+    ("completions", {"structured_outputs": {"json": SCHEMA}}, Constraint("json_schema", SCHEMA)),
+    ("completions", {"structured_outputs": {"regex": "[0-9]+", "choice": None}}, Constraint("regex", "[0-9]+")),
+    ("chat", {"structured_outputs": {"choice": CHOICES}}, Constraint("choice", CHOICES)),
+    ("chat", {"structured_outputs": {"grammar": LARK}}, Constraint("grammar", LARK)),
+    ("completions", {"guided_json": json.dumps(SCHEMA)}, Constraint("json_schema", json.dumps(SCHEMA))),
+    ("completions", {"guided_regex": "[0-9]+"}, Constraint("regex", "[0-9]+")),
+    ("chat", {"guided_choice": CHOICES}, Constraint("choice", CHOICES)),
+    ("completions", {"guided_grammar": LARK, "response_format": {"type": "text"}}, Constraint("grammar", LARK)),
+    ("native", {"structured_outputs": {"choice": CHOICES}}, Constraint("choice", CHOICES)),
+    ("native", {}, None),
+]
+
+
+def parse(route: str, fields: dict, matcher):
+    if route == "native":
+        return native_api.parse({"prompt": "Hi"} | fields, Limits(), Defaults(), matcher)
+    inputs = {"messages": [{"role": "user", "content": "Hi"}]} if route == "chat" else {"prompt": "Hi"}
+    return openai_api.parse(route, inputs | fields, "llama", Limits(), Defaults(), matcher)
+
+
+@pytest.mark.parametrize("route, fields, constraint", ASKED)
+def test_fields_give_the_constraint(engine, route, fields, constraint):
+    req = parse(route, fields, engine.matcher)
+    assert req.sampling["constraint"] == constraint
+    prompts = api.sequences(req, engine.tokenizer, engine.max_seq_len, Limits(), Defaults())
+    assert all(p.constraint == constraint for _, p in prompts)
+
+
+REFUSED = [  # (route, body fields, param, what the message says)
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "strin"}}}},
+     "response_format", r"^response_format\.json_schema\.schema is not a valid JSON schema: Invalid type: strin"),
+    ("completions", {"guided_regex": "(ab"}, "guided_regex",
+     r"^guided_regex is not a valid regular expression: .*unclosed group"),
+    ("chat", {"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs",
+     r"^structured_outputs\.grammar is not a valid grammar: .*unknown name"),
+    ("completions", {"structured_outputs": {"json": {"type": "integer", "minimum": 5, "maximum": 2}}},
+     "structured_outputs", r"^structured_outputs\.json is not a valid JSON schema: .*minimum .* greater than maximum"),
+    ("completions", {"guided_json": "{not json"}, "guided_json", r"^guided_json is not a valid JSON schema: not JSON"),
+    ("chat", {"guided_choice": []}, "guided_choice",
+     r"^guided_choice is not a valid list of choices: expected a non-empty list of strings$"),
+    ("chat", {"guided_regex": 5}, "guided_regex",
+     r"^guided_regex is not a valid regular expression: expected a string$"),
+    ("native", {"structured_outputs": {"regex": "[a-"}}, "structured_outputs",
+     r"^structured_outputs\.regex is not a valid regular expression: .*unclosed character class"),
+    ("completions", {"response_format": {"type": "json_object"}, "guided_regex": "a",
+                     "structured_outputs": {"choice": ["a"]}},
+     "response_format", r"^response_format, structured_outputs, guided_regex each constrain the output; give at most"),
+    ("native", {"structured_outputs": {"json": SCHEMA, "regex": "a"}}, "structured_outputs",
+     r"exactly one of json, regex, choice, grammar, got json, regex$"),
+    ("chat", {"structured_outputs": {"yaml": "a: 1"}}, "structured_outputs", r"exactly one of .*, got yaml$"),
+    ("chat", {"structured_outputs": "json"}, "structured_outputs", r"must be an object with exactly one of"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format", r"type is text, json_object, json_schema$"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format",
+     r"must be an object with the schema"),
+    ("native", {"guided_regex": "a"}, "guided_regex", r"unknown fields \['guided_regex'\]"),
+]
+
+
+@pytest.mark.parametrize("route, fields, param, message", REFUSED)
+def test_what_is_refused_names_the_field(engine, route, fields, param, message):
+    with pytest.raises(RequestError) as e:
+        parse(route, fields, engine.matcher)
+    error = e.value
+    assert error.status == 400 and error.param == param and re.search(message, error.message, re.S), error.message
+
+
+def test_rank0_answers_a_bad_constraint_itself(engine):
+    """InFlight.read (rank 0) answers what cannot compile with a 400: no job, nothing queued."""
+    requests = InFlight(engine, Limits(), Defaults(), "llama")
+    body = {"messages": [{"role": "user", "content": "Hi"}], "guided_regex": "(ab"}
+    message = requests.read("1", "v1/chat/completions", json.dumps(body).encode())
+    error = json.loads(message.body)["error"]
+    assert message.status == 400 and error["param"] == "guided_regex" and "unclosed group" in error["message"]
+    spec = requests.read("2", "v1/chat/completions", json.dumps(body | {"guided_regex": "(ab)+"}).encode())
+    (_, p), = spec[1]
+    assert p.constraint == Constraint("regex", "(ab)+") and not engine.running
+
+
+# --- over HTTP ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/predictions/llama/1.0/v1", api_key=server.key, max_retries=0)
+
+
+def test_openai_client(server, client):
+    """Through TorchServe (TP=2): a chat answer in a JSON schema (also streamed), a completion
+    among choices, and a bad regex refused naming its field; the native API too."""
+    schema = SCHEMAS["number_bounds"]
+    messages = [{"role": "user", "content": "Give me numbers."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": schema}}
+    replies = [client.chat.completions.create(model="llama", messages=messages, response_format=response_format,
+                                              temperature=1.0, seed=seed, max_tokens=300).choices[0]
+               for seed in range(2)]
+    for reply in replies:
+        assert reply.finish_reason == "stop"
+        jsonschema.validate(json.loads(reply.message.content), schema)
+    chunks = client.chat.completions.create(model="llama", messages=messages, response_format=response_format,
+                                            temperature=1.0, seed=0, max_tokens=300, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == replies[0].message.content
+    completion = client.completions.create(model="llama", prompt="He said", n=3, seed=1, max_tokens=20, top_p=1.0,
+                                           extra_body={"guided_choice": CHOICES})
+    assert all(c.text in CHOICES and c.finish_reason == "stop" for c in completion.choices)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="llama", prompt="Hi", extra_body={"guided_regex": "(ab"})
+    assert e.value.body["param"] == "guided_regex" and "unclosed group" in e.value.body["message"]
+    native = server.generate({"prompt": "He said", "structured_outputs": {"regex": "(yes|no)!"}, "seed": 2})
+    assert native["generation"] in ("yes!", "no!") and native["finish_reason"] == "stop"
