@@ -21,9 +21,9 @@ from llguidance.tiktoken import lltokenizer_from_encoding
 from tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-# JSON whitespace: one run of at most 24 blanks and line breaks wherever JSON allows it,
-# enough to indent nested JSON, too little for a model (or random sampling) to go on forever
-JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{1,24}"}
+# JSON laid out as json.dumps does ({"a": 1, "b": [2, 3]}): free whitespace lets a model
+# (or random sampling) pad an answer with line breaks until max_tokens cuts it short
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 GRAMMAR_CACHE_SIZE = 256
 LIMITS = LLParserLimits(verbose_errors=False)  # errors say what is wrong, not the parser's state
 

@@ -85,7 +85,9 @@ def test_json_schema_answers_validate(engine):
     for seq in seqs:
         assert seq.finish_reason == "stop" and seq.stop_token is None, seq.text  # the grammar's end
         check(seq.params.constraint, seq.text)
-    assert len({seq.text for seq in seqs}) == len(seqs)  # temperature 1: every seed its own answer
+    for i, name in zip(range(0, len(seqs), 3), VALIDATED):
+        if name != "const":  # the one schema with a single answer
+            assert len({seq.text for seq in seqs[i:i + 3]}) > 1, seqs[i].text  # temperature 1: seeds differ
 
 
 def test_regexes_choices_json_objects_and_grammars(engine):

@@ -105,7 +105,7 @@ BAD_DIALOGS = [[], {}, "hi", [{"role": "user"}], [{"role": "robot", "content": "
                [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}],
                [{"role": "user" if i % 2 == 0 else "assistant", "content": "x"} for i in range(65)]]
 BAD_OPENAI_FIELDS = {"n": 0, "best_of": 3, "presence_penalty": 2.5, "frequency_penalty": -3, "logit_bias": {"5": 101},
-                    "suffix": "end", "tools": [{"type": "function"}], "response_format": {"type": "json_object"}}
+                    "suffix": "end", "tools": [{"type": "function"}], "response_format": {"type": "xml"}}
 
 
 def mutation(route: str, rng: random.Random) -> tuple[str, bytes, str | tuple]:
