@@ -59,6 +59,8 @@ class Request:
     max_new_tokens: int | None = None  # None: the default, cut to what the context leaves
     sampling: dict = field(default_factory=dict)  # SamplingParams fields but max_gen_len
     include_usage: bool = False  # OpenAI stream_options.include_usage
+    tools: list = field(default_factory=list)  # chat: the function tools the model may call (tools.py)
+    tool_streams: dict = field(default_factory=dict)  # a streamed chat with tools: each choice's ToolCallStream
 
 
 @dataclass
@@ -395,7 +397,7 @@ def sequences(req: Request, tokenizer, max_seq_len: int, limits: Limits,
         check_text(item, where, where)
         try:
             if req.chat:
-                tokens = chat_format.encode_dialog(tokenizer, item)
+                tokens = chat_format.encode_dialog(tokenizer, item, req.tools or None)
             elif isinstance(item, list):  # token ids, as they are
                 check_token_ids(item, tokenizer.n_words, where)
                 tokens = item

@@ -8,15 +8,16 @@ import json
 
 import api
 import chat_format
+import tools
 from api import MAX_TOP_LOGPROBS, Defaults, Limits, Request, RequestError
 from sequence import Sequence
+from structured import Constraint
 from tokenizer import TextStream
 
 # Accepted only at their neutral value: anything else is refused rather than ignored.
 # best_of (generate several, answer the most probable) is not implemented: ask for n instead.
-NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""),
-           "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-           "function_call": (None, "none")}
+NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none")}
+COMPLETIONS_NEUTRAL = {"tools": (None, []), "tool_choice": (None, "none")}  # tools are for chat
 CONSTRAINT_FIELDS = ("response_format", "structured_outputs") + api.GUIDED_FIELDS  # OpenAI's, vLLM's, vLLM's older
 
 
@@ -27,7 +28,7 @@ def parse(route: str, body, model_name: str, limits: Limits, defaults: Defaults,
     model = body.get("model")
     if model is not None and model != model_name:
         raise RequestError(f"The model `{model}` does not exist; this server serves `{model_name}`", "model", 404)
-    for name, allowed in NEUTRAL.items():
+    for name, allowed in (NEUTRAL if route == "chat" else NEUTRAL | COMPLETIONS_NEUTRAL).items():
         if name in body and body[name] not in allowed:
             raise RequestError(f"{name}={json.dumps(body[name])} is not supported (only {allowed[-1]!r})", name)
     req = Request(route, chat=route == "chat", input_field="messages" if route == "chat" else "prompt")
@@ -58,7 +59,37 @@ def parse(route: str, body, model_name: str, limits: Limits, defaults: Defaults,
     if req.stream and req.sampling["logprobs"]:
         raise RequestError("logprobs are not supported with stream", "logprobs")
     req.sampling["constraint"] = api.get_constraint(body, CONSTRAINT_FIELDS, matcher)
+    if req.chat:
+        tool_call_constraint(req, body, matcher)
     return req
+
+
+def tool_call_constraint(req: Request, body: dict, matcher):
+    """req's tools, and the constraint of a forced call (tool_choice required or a named
+    function): the answer is one call whose arguments match the function's parameters."""
+    try:
+        req.tools = tools.check_tools(body.get("tools"))
+    except ValueError as e:
+        raise RequestError(str(e), "tools") from None
+    try:
+        choice = tools.check_tool_choice(body.get("tool_choice"), req.tools)
+    except ValueError as e:
+        raise RequestError(str(e), "tool_choice") from None
+    api.get_bool(body, "parallel_tool_calls", True)  # checked; a forced answer is one call either way
+    if choice == "none":
+        req.tools = []  # neither shown to the model nor read in its answer
+    schema = tools.call_schema(req.tools, choice)
+    if schema is None:
+        return
+    if req.sampling["constraint"] is not None:
+        raise RequestError(f"tool_choice {json.dumps(body['tool_choice'])} constrains the answer to a call; "
+                           "it cannot take a response_format or structured_outputs as well", "tool_choice")
+    req.sampling["constraint"] = constraint = Constraint("json_schema", schema)
+    if matcher is not None:
+        try:
+            matcher(constraint)
+        except ValueError as e:
+            raise RequestError(f"the parameters of the tools cannot be enforced: {e}", "tools") from None
 
 
 def max_tokens(body: dict, limits: Limits, alias: str | None = None, lo: int = 1) -> int | None:
@@ -80,7 +111,7 @@ def chat_messages(body: dict, limits: Limits) -> list:
                 raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
             msg = msg | {"content": "".join(p["text"] for p in parts)}
         if isinstance(msg, dict):
-            msg = {k: msg[k] for k in ("role", "content") if k in msg}
+            msg = {k: msg[k] for k in ("role", "content", "tool_calls", "tool_call_id") if k in msg}
         flat.append(msg)
     return api.get_dialog({"messages": flat}, "messages", limits)
 
@@ -155,6 +186,11 @@ def answer(req: Request, seqs: list[Sequence], tokenizer, meta: dict) -> dict:
         choice = {"index": k, "finish_reason": seq.finish_reason, "logprobs": None}
         if req.chat:
             choice["message"] = {"role": "assistant", "content": seq.text}
+            if req.tools:
+                content, calls = tools.parse_tool_calls(seq.text, req.tools)
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                    choice["finish_reason"] = tool_calls_finish(seq)
             if seq.params.logprobs:
                 choice["logprobs"] = chat_logprobs(seq, tokenizer)
         else:
@@ -170,7 +206,15 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+def tool_calls_finish(seq: Sequence) -> str:
+    """A choice that called tools: "tool_calls", unless max_tokens cut it ("length")."""
+    return "tool_calls" if seq.finish_reason == "stop" else seq.finish_reason
+
+
 def chunk(req: Request, meta: dict, index: int, text: str, first: bool, finish_reason: str | None = None) -> str:
+    if req.tools:
+        stream = req.tool_streams.setdefault(index, tools.ToolCallStream(req.tools))
+        return tool_chunks(req, meta, index, stream.add(text), first, finish_reason)
     if req.chat:
         delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
         choice = {"index": index, "delta": delta}
@@ -185,9 +229,32 @@ def chunk(req: Request, meta: dict, index: int, text: str, first: bool, finish_r
 STREAM_TYPE = "text/event-stream"
 
 
+def tool_chunks(req: Request, meta: dict, index: int, deltas: list[dict], first: bool, finish_reason: str | None) -> str:
+    """A chat choice with tools: one chunk per delta of its ToolCallStream (content, or a
+    call's head or a piece of its arguments); the first carries the role."""
+    if first:
+        deltas = [{"role": "assistant"} | (deltas[0] if deltas else {"content": ""})] + deltas[1:]
+    if finish_reason is not None:
+        deltas = deltas + [{}]
+    out = ""
+    for k, delta in enumerate(deltas):
+        last = k == len(deltas) - 1
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason if last else None}
+        out += sse(envelope(req, meta, chunk=True) | {"choices": [choice]})
+    return out
+
+
 def last_chunks(req: Request, seqs: list[Sequence], meta: dict, tokenizer) -> str:
-    """Each choice's finish_reason, the usage when asked for, and [DONE]."""
-    out = "".join(chunk(req, meta, i, "", False, s.finish_reason) for i, s in enumerate(seqs))
+    """Each choice's finish_reason (after what a tool-call stream held back), the usage when
+    asked for, and [DONE]."""
+    out = ""
+    for i, s in enumerate(seqs):
+        if req.tools:
+            stream = req.tool_streams.setdefault(i, tools.ToolCallStream(req.tools))
+            deltas = stream.finish()
+            out += tool_chunks(req, meta, i, deltas, False, tool_calls_finish(s) if stream.calls else s.finish_reason)
+        else:
+            out += chunk(req, meta, i, "", False, s.finish_reason)
     if req.include_usage:
         out += sse(envelope(req, meta, chunk=True) | {"choices": [], "usage": usage(req, seqs)})
     return out + "data: [DONE]\n\n"

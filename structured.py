@@ -68,7 +68,39 @@ def schema_dict(schema) -> dict:
             raise ValueError(f"json_schema: not JSON: {e}") from None
     if not isinstance(schema, dict):
         raise ValueError("json_schema: expected a JSON object")
-    return schema
+    return tightened(schema)
+
+
+SAFE_INTEGERS = (-(1 << 53) + 1, (1 << 53) - 1)  # what every JSON parser reads exactly (JavaScript's too)
+DECIMALS = 1e-9  # a number's finest step when its schema gives none
+VALUES = {"const", "enum", "default", "examples"}  # keys whose values are JSON values, not schemas
+OPEN = {"additionalProperties", "patternProperties", "unevaluatedProperties"}  # a schema's say on other keys
+
+
+def tightened(schema, closable: bool = True):
+    """schema as generation enforces it: a part of what it accepts, so that every answer
+    still meets the schema as given, without the freedom a model wanders off into until
+    max_tokens cuts the answer. Integers and numbers unbounded on a side are bounded there to
+    SAFE_INTEGERS, numbers without multipleOf get at most 9 decimals, and an object that
+    names its properties and says nothing of others takes no others (as vLLM's default
+    backend, xgrammar, does in its strict mode); but not the parts of an allOf, each of which
+    names only some of the properties."""
+    if isinstance(schema, list):
+        return [tightened(s, closable) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in VALUES else tightened(v, k != "allOf") for k, v in schema.items()}
+    kinds = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    if "integer" in kinds or "number" in kinds:
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = SAFE_INTEGERS[0]
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGERS[1]
+    if "number" in kinds and "multipleOf" not in out:
+        out["multipleOf"] = DECIMALS
+    if closable and "object" in kinds and "properties" in out and not OPEN & out.keys():
+        out["additionalProperties"] = False
+    return out
 
 
 def text_value(kind: str, value) -> str:

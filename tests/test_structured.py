@@ -346,3 +346,25 @@ def test_a_bitmask_must_be_what_llguidance_writes_into(tokenizers):
             matcher.fill_bitmask(bad, 0)
     with pytest.raises(ValueError):
         matcher.fill_bitmask(structured.new_bitmask(1, tok.n_words), 0)  # without the padding rows
+
+
+def test_schemas_are_tightened_within_what_they_accept():
+    """An integer or number the schema leaves unbounded is bounded to JavaScript's safe
+    integers, a number without multipleOf to 9 decimals, an object that names its properties
+    and says nothing of others is closed (else a model may write digits or keys until
+    max_tokens); JSON values inside const and enum stay as given, and so do allOf's parts."""
+    safe = structured.SAFE_INTEGERS
+    part = {"type": "object", "properties": {"b": {"type": "boolean"}}}
+    schema = {"type": "object", "properties": {
+        "i": {"type": "integer", "minimum": 3}, "x": {"type": ["number", "null"]},
+        "c": {"const": {"type": "integer"}}, "e": {"enum": [{"type": "number"}]},
+        "o": {"type": "object", "properties": {"k": {"type": "string"}}, "patternProperties": {"^z": True}}},
+        "allOf": [part]}
+    tight = structured.schema_dict(schema)
+    props = tight["properties"]
+    assert props["i"] == {"type": "integer", "minimum": 3, "maximum": safe[1]}
+    assert props["x"] == {"type": ["number", "null"], "minimum": safe[0], "maximum": safe[1],
+                          "multipleOf": structured.DECIMALS}
+    assert props["c"] == schema["properties"]["c"] and props["e"] == schema["properties"]["e"]
+    assert props["o"] == schema["properties"]["o"] and tight["allOf"] == [part]
+    assert tight["additionalProperties"] is False
