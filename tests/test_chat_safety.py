@@ -2,7 +2,8 @@
 openai_api.parse, then api.sequences, with real tokenizers):
 
 1. forge special tokens: a role is one of chat_format.ROLES and a message has no key but role
-   and content (the native API refuses others, the OpenAI API drops them), and special-token
+   and content, and tool_calls (assistant) or tool_call_id (tool) (the native API refuses
+   others, the OpenAI API drops them), and special-token
    text anywhere in a request stays text, in every chat format: a checkpoint's template,
    Meta's Llama 3 format, the Llama 2 layout;
 2. make a checkpoint's template run away: its rendering is bounded in size, work and time,
