@@ -1,11 +1,11 @@
-"""Decode speed of this tree against an earlier commit, on the same machine in one run:
+"""Decode speed of this tree against earlier commits, on the same machine in one run:
 
-    python bench/decode_ab.py [--baseline 16d4a67] [--rounds 3] [--no-write]
+    python bench/decode_ab.py [--baseline 16d4a67 [COMMIT ...]] [--rounds 3] [--no-write]
 
 generate.generate (greedy, prompt 32, 64 new tokens, EOS off) at batch 1 and 8, TP=1 with
 1 thread, on bench/decode.py's random 26M and 110M shapes (Meta layout, fp32). Each round
-runs the baseline and this tree one after the other, each in a fresh process (the
-baseline's files from `git archive`), so that the machine's drift hits both alike; the
+runs each baseline and this tree one after the other, each in a fresh process (a
+baseline's files from `git archive`), so that the machine's drift hits all alike; the
 median over rounds is compared. Writes its table into BENCHMARKS.md (decode_ab).
 """
 
@@ -18,6 +18,7 @@ import sys
 import tempfile
 
 import report
+from report import checkout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
@@ -59,7 +60,7 @@ def tokens_per_s(tree: str, ckpt: str) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--baseline", default="16d4a67")
+    ap.add_argument("--baseline", nargs="+", default=["16d4a67"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
@@ -69,34 +70,34 @@ def main():
     tokenizer = os.path.join(ROOT, "demo", "tokenizer.model")
     rows = []
     with tempfile.TemporaryDirectory(prefix="decode_ab_") as tmp:
-        baseline = os.path.join(tmp, "baseline")
-        os.makedirs(baseline)
-        archive = subprocess.run(["git", "archive", a.baseline], cwd=ROOT, capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", baseline], input=archive, check=True)
+        trees = {"now": ROOT} | {commit: checkout(commit, os.path.join(tmp, commit)) for commit in a.baseline}
         for shape, (dim, layers, heads) in SHAPES.items():
             model = make_checkpoint.random_hf_model(dim, layers, heads, heads, Tokenizer(tokenizer).n_words, seed=0)
             ckpt = make_checkpoint.write_layouts(model, os.path.join(tmp, shape), tokenizer, ["meta:1"])["meta:1"]
-            runs = {"baseline": [], "now": []}
+            runs = {name: [] for name in trees}
             for _ in range(a.rounds):
-                runs["baseline"].append(tokens_per_s(baseline, ckpt))
-                runs["now"].append(tokens_per_s(ROOT, ckpt))
+                for name, tree in trees.items():
+                    runs[name].append(tokens_per_s(tree, ckpt))
             for batch in (1, 8):
-                base = statistics.median(r[batch] for r in runs["baseline"])
                 now = statistics.median(r[batch] for r in runs["now"])
-                spread = [round(r[batch], 1) for r in runs["now"]], [round(r[batch], 1) for r in runs["baseline"]]
-                rows.append(f"| {shape} | {batch} | {now:.1f} | {base:.1f} | **{now / base:.3f}** | "
-                            f"{spread[0]} / {spread[1]} |")
+                cells = []
+                for commit in a.baseline:
+                    base = statistics.median(r[batch] for r in runs[commit])
+                    each = ", ".join(f"{n[batch] / b[batch]:.3f}" for n, b in zip(runs["now"], runs[commit]))
+                    cells.append(f"{base:.1f} | **{now / base:.3f}** ({each})")
+                rows.append(f"| {shape} | {batch} | {now:.1f} | " + " | ".join(cells) + " |")
                 print(rows[-1], flush=True)
+    heads = "".join(f" {c} (tokens/s) | now / {c} (each round) |" for c in a.baseline)
     text = f"""## Decode speed against an earlier commit
 
-`python bench/decode_ab.py {' '.join(sys.argv[1:])}` — {report.header()}; baseline commit {a.baseline}, \
-{a.rounds} rounds, each running the baseline and this tree in turn in fresh processes.
+`python bench/decode_ab.py {' '.join(sys.argv[1:])}` — {report.header()}; baseline commits \
+{', '.join(a.baseline)}, {a.rounds} rounds, each running the baselines and this tree in turn in fresh processes.
 
 `generate.generate`, greedy, prompt {PROMPT} tokens, {NEW} new tokens, EOS off, TP=1, 1 thread, random fp32 \
 models of bench/decode.py's shapes (Meta layout, demo vocabulary); median tokens/s over the rounds:
 
-| model | batch | now (tokens/s) | baseline (tokens/s) | now / baseline | each round: now / baseline |
-|---|---|---|---|---|---|
+| model | batch | now (tokens/s) |{heads}
+|---|---|---|{"---|---|" * len(a.baseline)}
 """ + "\n".join(rows) + "\n"
     report.publish("decode_ab", text, not a.no_write)
 

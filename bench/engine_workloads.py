@@ -39,6 +39,7 @@ import numpy as np
 import requests
 
 import report
+from report import checkout
 import serving
 import collectives
 from serving_config import IN_TURN_SECONDS, IN_TURN_STEPS, default_token_budget
@@ -49,14 +50,6 @@ IN_TURN = f"{IN_TURN_STEPS[0]} steps per iteration or more in {IN_TURN_SECONDS *
 
 
 # --- servers --------------------------------------------------------------------------------
-
-def checkout(commit: str, into: str) -> str:
-    """The repository's files at commit, in a folder of their own."""
-    os.makedirs(into)
-    archive = subprocess.run(["git", "archive", commit], cwd=ROOT, capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
-    return into
-
 
 def start(tmp: str, name: str, ckpt: str, root: str = ROOT, tp: int = 2, batch_size: int = 8,
           handler: dict | None = None, threads: int | None = None):

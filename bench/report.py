@@ -4,9 +4,19 @@ import datetime
 import os
 import platform
 import re
+import subprocess
 import sys
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
+
+
+def checkout(commit: str, into: str) -> str:
+    """The repository's files at commit, in a folder of their own (a baseline to compare with)."""
+    os.makedirs(into)
+    archive = subprocess.run(["git", "archive", commit], cwd=os.path.dirname(BENCHMARKS), capture_output=True,
+                             check=True).stdout
+    subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
+    return into
 
 
 def machine() -> str:

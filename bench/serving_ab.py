@@ -20,7 +20,8 @@ import time
 
 import report
 import serving
-from engine_workloads import checkout, served
+from engine_workloads import served
+from report import checkout
 
 SINGLE = {"max_new_tokens": 128, "temperature": 0, "ignore_eos": True, "stream": True}
 
