@@ -99,8 +99,10 @@ def check_ends_with_user(dialog, roles=("user",)):
         raise ValueError(f"the dialog must end with a {' or '.join(roles)} message, not {dialog[-1]['role']!r}")
 
 
-def functions_json(tools) -> str:
-    return "\n".join(json.dumps(tool, indent=4, ensure_ascii=False) for tool in tools)
+def functions_json(tools, indent: int | None = 4) -> str:
+    """The tools as JSON, one after another: indented as in Meta's Llama 3.1 examples, or one
+    line each (indent None: the Llama 2 prompt, in half the tokens)."""
+    return "\n".join(json.dumps(tool, indent=indent, ensure_ascii=False) for tool in tools)
 
 
 def call_json(call) -> str:
@@ -151,7 +153,7 @@ def llama2_exchange(dialog, tools) -> list:
     content, a run of tool messages as one user message of "Function result: ..." paragraphs."""
     system = [dialog[0]["content"]] if dialog[0]["role"] == "system" else []
     if tools:
-        system = ["\n\n".join(system + [LLAMA2_TOOLS.format(functions_json(tools))])]
+        system = ["\n\n".join(system + [LLAMA2_TOOLS.format(functions_json(tools, indent=None))])]
     out, previous = [{"role": "system", "content": text} for text in system], None
     for msg in dialog[1:] if dialog[0]["role"] == "system" else dialog:
         if msg["role"] == "tool" and previous == "tool":

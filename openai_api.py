@@ -18,6 +18,7 @@ from tokenizer import TextStream
 # best_of (generate several, answer the most probable) is not implemented: ask for n instead.
 NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none")}
 COMPLETIONS_NEUTRAL = {"tools": (None, []), "tool_choice": (None, "none")}  # tools are for chat
+KEPT_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}  # a message's keys beyond role and content
 CONSTRAINT_FIELDS = ("response_format", "structured_outputs") + api.GUIDED_FIELDS  # OpenAI's, vLLM's, vLLM's older
 
 
@@ -110,8 +111,9 @@ def chat_messages(body: dict, limits: Limits) -> list:
                        for p in parts):
                 raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
             msg = msg | {"content": "".join(p["text"] for p in parts)}
-        if isinstance(msg, dict):
-            msg = {k: msg[k] for k in ("role", "content", "tool_calls", "tool_call_id") if k in msg}
+        if isinstance(msg, dict):  # OpenAI's other optional keys dropped
+            kept = KEPT_KEYS.get(msg.get("role"), ()) if isinstance(msg.get("role"), str) else ()
+            msg = {k: msg[k] for k in ("role", "content", *kept) if k in msg}
         flat.append(msg)
     return api.get_dialog({"messages": flat}, "messages", limits)
 

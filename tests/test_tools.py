@@ -200,7 +200,7 @@ def test_meta_llama3_format_lays_out_json_tool_calling(tokenizers, dialog, tools
 
 def test_llama2_shows_tools_in_its_system_prompt(tokenizers):
     tok = tokenizers["llama2"]
-    system = "Be brief.\n\n" + chat_format.LLAMA2_TOOLS.format(FUNCTIONS)
+    system = "Be brief.\n\n" + chat_format.LLAMA2_TOOLS.format(json.dumps(WEATHER) + "\n" + json.dumps(TIME))
     assert '"name": "get_weather"' in system and 'answer only with one JSON object per call' in system
     plain = [{"role": "system", "content": system}, {"role": "user", "content": "Weather in Paris?"},
              {"role": "assistant", "content": '{"name": "get_weather", "parameters": {"city": "Paris"}}'},
