@@ -70,7 +70,8 @@ def section(a, runs: dict, argv: list[str]) -> str:
     def median(name, key):
         return statistics.median(m[key] for m in runs[name])
 
-    lines = [f"`{' '.join(['python', 'bench/serving_ab.py'] + argv)}` — {report.header()}; this tree "
+    lines = ["## Serving speed against an earlier commit", "",
+             f"`{' '.join(['python', 'bench/serving_ab.py'] + argv)}` — {report.header()}; this tree "
              f"{serving.revision()} against {a.baseline}, {a.rounds} rounds, medians.", "",
              "| part | baseline | this tree | ratio | each round (this tree / baseline) |", "|---|---|---|---|---|"]
     for key, title in (("single", "single stream, decode tokens/s"), ("clients8", "8 clients, output tokens/s")):

@@ -20,6 +20,7 @@ import pytest
 import chat_format
 from conftest import TOKENIZER
 from structured import Constraint
+from test_chat_safety import with_template
 from test_structured import generate
 from tokenizer import Tokenizer
 from tools import ToolCallStream, call_schema, check_tool_choice, check_tools, parse_tool_calls
@@ -91,12 +92,6 @@ TWO_CALLS = [{"role": "user", "content": "Weather in Paris and Oslo?"},
              {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
              {"role": "tool", "tool_call_id": "call_2", "content": "9 C"}]
 DIALOGS = {"asked": ASKED, "no system": ASKED[1:], "called": CALLED, "answered": ANSWERED}
-
-
-def with_template(tokenizer, template: str):
-    tok = copy.copy(tokenizer)
-    tok.chat_template = template
-    return tok
 
 
 @pytest.fixture(scope="module")
