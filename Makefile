@@ -68,7 +68,7 @@ stop:
 	-$(STOP)
 
 test: check-java .venv/.test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # The edit loop's tier: in-process tests only (no TorchServe, torchrun or torch.compile).
 test-quick: .venv/.test
