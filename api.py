@@ -7,11 +7,10 @@ import json
 import math
 import time
 from dataclasses import dataclass, field, fields
-from typing import Callable, NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import chat_format
 from sequence import SamplingParams, Sequence
-from structured import Constraint
 
 
 class RequestError(Exception):
@@ -306,72 +305,6 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
     if seed is None or choice == 0:
         return seed
     return (seed + choice * 0x9E3779B97F4A7C15) % (1 << 63)
-
-
-# --- structured outputs: the text constrained to a JSON schema, a regex, choices or a grammar --
-
-# vLLM's structured_outputs keys (and its older guided_<key> fields): the constraint kind each gives
-STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
-GUIDED_FIELDS = tuple(f"guided_{key}" for key in STRUCTURED_KINDS)
-RESPONSE_FORMATS = ("text", "json_object", "json_schema")  # OpenAI's response_format types
-WHAT = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regular expression",
-        "choice": "list of choices", "grammar": "grammar"}
-
-
-def get_constraint(body: dict, names: tuple[str, ...], matcher: Callable | None) -> Constraint | None:
-    """The constraint that one of the fields names gives (None: the text is free); several are
-    refused, naming them all. matcher (the engine's Engine.matcher) compiles it, so that one
-    that cannot compile is refused here, naming its field, with llguidance's message (without
-    one, parsing alone, it is not compiled)."""
-    given = {name: found for name in names if body.get(name) is not None
-             and (found := constraint_of(name, body[name])) is not None}
-    if len(given) > 1:
-        raise RequestError(f"{', '.join(given)} each constrain the output; give at most one of them",
-                           next(iter(given)))
-    if not given:
-        return None
-    name, (path, constraint) = given.popitem()
-    if matcher is not None:
-        try:
-            matcher(constraint)
-        except ValueError as e:  # its message starts with the kind where the value's type is wrong
-            raise RequestError(f"{path} is not a valid {WHAT[constraint.kind]}: "
-                               f"{str(e).removeprefix(constraint.kind + ': ')}", name) from None
-    return constraint
-
-
-def constraint_of(name: str, value) -> tuple[str, Constraint] | None:
-    """(where in the body, the constraint) that field name's value gives; None for none."""
-    if name == "response_format":
-        return response_format(value)
-    if name == "structured_outputs":
-        return structured_outputs(value)
-    return name, Constraint(STRUCTURED_KINDS[name.removeprefix("guided_")], value)
-
-
-def response_format(value) -> tuple[str, Constraint] | None:
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind not in RESPONSE_FORMATS:
-        raise RequestError(f"response_format must be an object whose type is {', '.join(RESPONSE_FORMATS)}",
-                           "response_format")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return "response_format", Constraint("json_object")
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict) or spec.get("schema") is None:
-        raise RequestError("response_format.json_schema must be an object with the schema: "
-                           '{"name": ..., "schema": {...}}', "response_format")
-    return "response_format.json_schema.schema", Constraint("json_schema", spec["schema"])
-
-
-def structured_outputs(value) -> tuple[str, Constraint]:
-    """vLLM's structured_outputs: exactly one of its keys (those set to null do not count)."""
-    keys = [k for k, v in value.items() if v is not None] if isinstance(value, dict) else []
-    if len(keys) != 1 or keys[0] not in STRUCTURED_KINDS:
-        raise RequestError(f"structured_outputs must be an object with exactly one of {', '.join(STRUCTURED_KINDS)}"
-                           + (f", got {', '.join(keys)}" if keys else ""), "structured_outputs")
-    return f"structured_outputs.{keys[0]}", Constraint(STRUCTURED_KINDS[keys[0]], value[keys[0]])
 
 
 def check_token_ids(ids, n_words: int, param: str):

@@ -4,8 +4,9 @@ api.Format as openai_api's do."""
 import json
 
 import generate
-from api import (Defaults, Limits, Request, RequestError, get_bool, get_constraint, get_dialog, get_int, get_n,
+from api import (Defaults, Limits, Request, RequestError, get_bool, get_dialog, get_int, get_n,
                  get_prompts, get_top_logprobs, sampling_fields, type_name)
+from constraint_fields import get_constraint
 from sequence import Sequence
 
 NATIVE_FIELDS = {"prompt", "dialog", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
@@ -14,7 +15,7 @@ NATIVE_FIELDS = {"prompt", "dialog", "messages", "max_new_tokens", "temperature"
 
 
 def parse(body, limits: Limits, defaults: Defaults, matcher=None) -> Request:
-    """matcher: compiles a constraint (api.get_constraint)."""
+    """matcher: compiles a constraint (constraint_fields.get_constraint)."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type_name(body)}", "body")
     unknown = sorted(set(body) - NATIVE_FIELDS)

@@ -8,6 +8,7 @@ import json
 
 import api
 import chat_format
+import constraint_fields
 import tools
 from api import MAX_TOP_LOGPROBS, Defaults, Limits, Request, RequestError
 from sequence import Sequence
@@ -19,11 +20,11 @@ from tokenizer import TextStream
 NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none")}
 COMPLETIONS_NEUTRAL = {"tools": (None, []), "tool_choice": (None, "none")}  # tools are for chat
 KEPT_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}  # a message's keys beyond role and content
-CONSTRAINT_FIELDS = ("response_format", "structured_outputs") + api.GUIDED_FIELDS  # OpenAI's, vLLM's, vLLM's older
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs") + constraint_fields.GUIDED_FIELDS  # OpenAI's, vLLM's, vLLM's older
 
 
 def parse(route: str, body, model_name: str, limits: Limits, defaults: Defaults, matcher=None) -> Request:
-    """matcher: compiles a constraint (api.get_constraint)."""
+    """matcher: compiles a constraint (constraint_fields.get_constraint)."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {api.type_name(body)}", None)
     model = body.get("model")
@@ -59,7 +60,7 @@ def parse(route: str, body, model_name: str, limits: Limits, defaults: Defaults,
     req.include_usage = api.get_bool(options, "include_usage")
     if req.stream and req.sampling["logprobs"]:
         raise RequestError("logprobs are not supported with stream", "logprobs")
-    req.sampling["constraint"] = api.get_constraint(body, CONSTRAINT_FIELDS, matcher)
+    req.sampling["constraint"] = constraint_fields.get_constraint(body, CONSTRAINT_FIELDS, matcher)
     if req.chat:
         tool_call_constraint(req, body, matcher)
     return req
