@@ -29,13 +29,19 @@ def get_constraint(body: dict, names: tuple[str, ...], matcher: Callable | None)
     if not given:
         return None
     name, (path, constraint) = given.popitem()
-    if matcher is not None:
-        try:
-            matcher(constraint)
-        except ValueError as e:  # its message starts with the kind where the value's type is wrong
-            raise RequestError(f"{path} is not a valid {WHAT[constraint.kind]}: "
-                               f"{str(e).removeprefix(constraint.kind + ': ')}", name) from None
+    check_compiles(constraint, matcher, f"{path} is not a valid {WHAT[constraint.kind]}", name)
     return constraint
+
+
+def check_compiles(constraint: Constraint, matcher: Callable | None, problem: str, param: str):
+    """Compile constraint with matcher (the engine's Engine.matcher; None: parsing alone, not
+    compiled): one that cannot compile is a RequestError naming param, with llguidance's message."""
+    if matcher is None:
+        return
+    try:
+        matcher(constraint)
+    except ValueError as e:  # its message starts with the kind where the value's type is wrong
+        raise RequestError(f"{problem}: {str(e).removeprefix(constraint.kind + ': ')}", param) from None
 
 
 def constraint_of(name: str, value) -> tuple[str, Constraint] | None:

@@ -37,8 +37,8 @@ class Engine:
     def __init__(self, runner, tokenizer, max_seqs: int | None = None, max_batched_tokens: int = 0,
                  prefix_caching: bool = True, threaded: bool = True):
         """runner: the model and its KV cache (runner.ModelRunner). max_seqs: the most
-        sequences decoded together (default: the runner's max_batch_size); max_batched_tokens: the most tokens one step computes (0: no
-        limit); prefix_caching: reuse the cached blocks that a prompt starts with;
+        sequences decoded together (default: the runner's max_batch_size); max_batched_tokens:
+        the most tokens one step computes (0: no limit); prefix_caching: reuse the cached blocks that a prompt starts with;
         threaded: start() runs on a thread of the engine's own (else at once, on the
         caller's: a server whose steps run in turn with its own work)."""
         self.runner, self.tokenizer = runner, tokenizer
@@ -278,10 +278,12 @@ class Engine:
                 seq.counts[token] += 1
                 seq.seen[token] = True
             seq.add_text(seq.stream.add(token))
-            if seq.matcher is not None:
-                seq.matcher.consume(token)  # on every rank: they agree on when the grammar is finished
-            if seq.matcher is not None and seq.matcher.is_finished():
-                finish(seq, "stop")  # complete: nothing but a stop id could follow
+            complete = False
+            if seq.matcher is not None:  # on every rank: they agree on when the grammar is finished
+                seq.matcher.consume(token)
+                complete = seq.matcher.is_finished()
+            if complete:
+                finish(seq, "stop")  # nothing but a stop id could follow
             elif len(seq.tokens) >= seq.params.max_gen_len:
                 finish(seq, "length")
         if logprob is not None:

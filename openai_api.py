@@ -87,11 +87,7 @@ def tool_call_constraint(req: Request, body: dict, matcher):
         raise RequestError(f"tool_choice {json.dumps(body['tool_choice'])} constrains the answer to a call; "
                            "it cannot take a response_format or structured_outputs as well", "tool_choice")
     req.sampling["constraint"] = constraint = Constraint("json_schema", schema)
-    if matcher is not None:
-        try:
-            matcher(constraint)
-        except ValueError as e:
-            raise RequestError(f"the parameters of the tools cannot be enforced: {e}", "tools") from None
+    constraint_fields.check_compiles(constraint, matcher, "the parameters of the tools cannot be enforced", "tools")
 
 
 def max_tokens(body: dict, limits: Limits, alias: str | None = None, lo: int = 1) -> int | None:
@@ -216,8 +212,7 @@ def tool_calls_finish(seq: Sequence) -> str:
 
 def chunk(req: Request, meta: dict, index: int, text: str, first: bool, finish_reason: str | None = None) -> str:
     if req.tools:
-        stream = req.tool_streams.setdefault(index, tools.ToolCallStream(req.tools))
-        return tool_chunks(req, meta, index, stream.add(text), first, finish_reason)
+        return tool_chunks(req, meta, index, tool_stream(req, index).add(text), first, finish_reason)
     if req.chat:
         delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
         choice = {"index": index, "delta": delta}
@@ -230,6 +225,13 @@ def chunk(req: Request, meta: dict, index: int, text: str, first: bool, finish_r
 
 
 STREAM_TYPE = "text/event-stream"
+
+
+def tool_stream(req: Request, index: int) -> tools.ToolCallStream:
+    """Choice index's ToolCallStream, made at its first piece."""
+    if index not in req.tool_streams:
+        req.tool_streams[index] = tools.ToolCallStream(req.tools)
+    return req.tool_streams[index]
 
 
 def tool_chunks(req: Request, meta: dict, index: int, deltas: list[dict], first: bool, finish_reason: str | None) -> str:
@@ -253,7 +255,7 @@ def last_chunks(req: Request, seqs: list[Sequence], meta: dict, tokenizer) -> st
     out = ""
     for i, s in enumerate(seqs):
         if req.tools:
-            stream = req.tool_streams.setdefault(i, tools.ToolCallStream(req.tools))
+            stream = tool_stream(req, i)
             deltas = stream.finish()
             out += tool_chunks(req, meta, i, deltas, False, tool_calls_finish(s) if stream.calls else s.finish_reason)
         else:
