@@ -283,7 +283,8 @@ MIN_TEMPERATURE = 1e-5  # below it, greedy: logits / temperature would overflow 
 
 def sampling_fields(body: dict, defaults: Defaults, top_p: str) -> dict:
     """temperature, top_p, top_k, seed, stop, penalties, logit_bias, min_tokens,
-    stop_token_ids and ignore_eos, validated, with defaults filled in."""
+    stop_token_ids, ignore_eos and speculative (false: no speculative decoding for it),
+    validated, with defaults filled in."""
     temperature = get_number(body, "temperature", 0.0, 2.0, defaults.temperature)
     return {"temperature": temperature if temperature >= MIN_TEMPERATURE else 0.0,
             "top_p": get_number(body, top_p, 0.0, 1.0, defaults.top_p, lo_open=True),
@@ -296,7 +297,8 @@ def sampling_fields(body: dict, defaults: Defaults, top_p: str) -> dict:
             "logit_bias": get_logit_bias(body),
             "min_tokens": get_int(body, "min_tokens", 0, 1 << 31, 0),
             "stop_token_ids": get_token_ids(body, "stop_token_ids", 64),
-            "ignore_eos": get_bool(body, "ignore_eos")}
+            "ignore_eos": get_bool(body, "ignore_eos"),
+            "speculative": get_bool(body, "speculative", True)}
 
 
 def choice_seed(seed: int | None, choice: int) -> int | None:

@@ -17,3 +17,17 @@ class Batch:
     decode_blocks: list[list[int]] = field(default_factory=list)  # each decoding sequence's block table
     chunks: list[tuple[int, list[int]]] = field(default_factory=list)  # (tokens, block table) per chunk
     logits_at: list[int] | None = None  # the tokens whose logits are wanted; None: all
+
+    def add(self, tokens: list[int], start: int, blocks: list[int], block_size: int, decode: bool):
+        """One sequence's tokens at positions start..., whose keys and values go in blocks (its
+        block table): a decode row (one token; every decode row before the first chunk) or a chunk."""
+        end = start + len(tokens)
+        self.tokens += tokens
+        self.positions += range(start, end)
+        self.slots += [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        used = blocks[:(end - 1) // block_size + 1]
+        if decode:
+            self.n_decode += 1
+            self.decode_blocks.append(used)
+        else:
+            self.chunks.append((len(tokens), used))

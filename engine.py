@@ -29,24 +29,27 @@ from kv_cache import BlockPool
 from sampler import adjust_logits, sample, token_logprobs
 from scheduler import Scheduler, Work
 from sequence import SamplingParams, Sequence
+from speculative import Speculation
 from structured import Constraint, Matcher
 from tokenizer import TextStream
 
 
 class Engine:
     def __init__(self, runner, tokenizer, max_seqs: int | None = None, max_batched_tokens: int = 0,
-                 prefix_caching: bool = True, threaded: bool = True):
+                 prefix_caching: bool = True, threaded: bool = True, speculation: Speculation | None = None):
         """runner: the model and its KV cache (runner.ModelRunner). max_seqs: the most
         sequences decoded together (default: the runner's max_batch_size); max_batched_tokens:
         the most tokens one step computes (0: no limit); prefix_caching: reuse the cached blocks that a prompt starts with;
         threaded: start() runs on a thread of the engine's own (else at once, on the
-        caller's: a server whose steps run in turn with its own work)."""
+        caller's: a server whose steps run in turn with its own work); speculation: proposed
+        tokens verified in the steps (speculative.py), or none."""
         self.runner, self.tokenizer = runner, tokenizer
         self.device = runner.device
         self.max_seq_len = runner.max_seq_len
         self.pool = BlockPool(runner.num_blocks, runner.block_size, prefix_caching)
         self.scheduler = Scheduler(self.pool, max_seqs or runner.max_batch_size, max_batched_tokens)
         self.ids = itertools.count()
+        self.speculation = speculation
         # The model runs on a thread of the engine's own (start, wait), so that a server's
         # round trip overlaps the steps; torch captures and replays CUDA graphs per thread,
         # so compiling happens there too, and the thread works on this rank's GPU. On a
@@ -168,14 +171,21 @@ class Engine:
 
     def step(self) -> bool:
         """One forward pass over this step's work, and a token for each sequence whose
-        prompt or last token it finished. True if a sequence got its first token or ended."""
+        prompt or last token it finished (more where it verifies proposed tokens). True if a
+        sequence got its first token or ended."""
+        if self.speculation:
+            self.speculation.reserve([s for s in self.scheduler.running if Scheduler.uncached(s) == 1])
         work = self.scheduler.schedule()
         if not work:
             return False
+        if self.speculation:
+            self.propose(work)
         batch, rows = self.batch(work)
         # a token is due for each sequence whose last pending token this step computes (not a
-        # chunk of its prompt): known before the forward pass, so that its mask is computed meanwhile
-        to_sample = [(w.seq, last - 1) for w, (_, last) in zip(work, rows) if completes(w) and w.seq.params.max_gen_len]
+        # chunk of its prompt): known before the forward pass, so that its mask is computed
+        # meanwhile; it comes from the row before those of its proposed tokens
+        to_sample = [(w.seq, last - 1 - len(w.seq.draft)) for w, (_, last) in zip(work, rows)
+                     if completes(w) and w.seq.params.max_gen_len]
         masks = self.start_masks([seq for seq, _ in to_sample])
         logits = self.runner.forward_batch(batch)
         for w, (first, last) in zip(work, rows):
@@ -184,11 +194,15 @@ class Engine:
                 self.add_prompt_logprobs(seq, logits[first:last])
             if completes(w) and seq.params.max_gen_len == 0:
                 seq.finish_reason = "length"  # a prompt to score, nothing to generate
-            seq.cached += w.n
-        self.advance([s for s, _ in to_sample], logits[[row for _, row in to_sample]], masks)
+            seq.cached += w.n - len(seq.draft)  # a proposed token's entry counts once it is accepted
+        self.advance([s for s, _ in to_sample], logits, [row for _, row in to_sample], masks)
         news = False
         for w in work:
             seq = w.seq
+            if seq.draft_room and not seq.done:  # the blocks of rejected tokens go back
+                seq.table.trim(len(seq.prompt_tokens) + len(seq.tokens))
+                seq.draft_cached = min(seq.draft_cached, seq.cached)
+            seq.draft, seq.draft_room = [], 0
             if seq.cached // self.pool.block_size > len(seq.table.hashes):
                 seq.table.commit(seq.prompt_tokens + seq.tokens, seq.cached)
             news |= seq.done or len(seq.sampled) == 1
@@ -196,27 +210,27 @@ class Engine:
                 self.scheduler.remove(seq)
         return news
 
+    def propose(self, work: list[Work]):
+        """Proposed tokens for the decoding sequences the scheduler made room for; each work
+        then computes its last token and those, and decode rows stay first."""
+        self.speculation.propose([w.seq for w in work])
+        for w in work:
+            w.n += len(w.seq.draft) - w.seq.draft_room
+        work.sort(key=lambda w: not self.scheduler.is_decode(w))
+
     def batch(self, work: list[Work]) -> tuple[Batch, list[tuple[int, int]]]:
         """The forward pass's Batch, and for each work the rows [first, last) of its logits:
         the last token's only, or every token's when the prompt's logprobs are wanted."""
-        size = self.pool.block_size
         batch = Batch(tokens=[], positions=[], slots=[], logits_at=[])
         rows = []
         for w in work:
-            seq, start = w.seq, w.seq.cached
-            end = start + w.n
-            blocks = seq.table.blocks
-            batch.tokens += tokens_between(seq, start, end)
-            batch.positions += range(start, end)
-            batch.slots += [blocks[p // size] * size + p % size for p in range(start, end)]
-            used = blocks[:(end - 1) // size + 1]
-            if self.scheduler.is_decode(w):
-                batch.n_decode += 1
-                batch.decode_blocks.append(used)
-            else:
-                batch.chunks.append((w.n, used))
+            seq = w.seq
+            tokens = tokens_between(seq, seq.cached, seq.cached + w.n - len(seq.draft)) + seq.draft
+            batch.add(tokens, seq.cached, seq.table.blocks, self.pool.block_size, self.scheduler.is_decode(w))
             index = len(batch.tokens) - w.n
-            wanted = range(index, index + w.n) if scores_prompt(seq) else range(index + w.n - 1, index + w.n)
+            # a proposed token's row verifies the next one (speculative.py)
+            scored = w.n if scores_prompt(seq) else 1 + len(seq.draft)
+            wanted = range(index + w.n - scored, index + w.n)
             rows.append((len(batch.logits_at), len(batch.logits_at) + len(wanted)))
             batch.logits_at += wanted
         if len(batch.logits_at) == len(batch.tokens):
@@ -249,18 +263,38 @@ class Engine:
             return None
         return self.masker.submit(filled, structured.new_bitmask(len(seqs), self.runner.vocab_size), rows)
 
-    def advance(self, seqs: list[Sequence], logits: torch.Tensor, masks: Future | None = None):
-        """Sample a token for each sequence (rank 0's choice for every rank), within its
-        grammar's mask (masks: start_masks'), and append it."""
-        if not seqs:
-            return
-        next_tokens = sample(adjust_logits(logits, seqs, masks.result() if masks else None), seqs)
-        if collectives.tp_world()[1] > 1:
-            collectives.broadcast(next_tokens, src=0)
+    def advance(self, seqs: list[Sequence], logits: torch.Tensor, rows: list[int], masks: Future | None = None):
+        """Sample a token for each sequence from its row of logits (rank 0's choice for every
+        rank), within its grammar's mask (masks: start_masks'), and append it. A sequence with
+        proposed tokens (seq.draft) has a row for each after its own: while the token sampled
+        is the one proposed, it stands (its cache entry with it) and the next row samples."""
+        depth, going = 0, list(range(len(seqs)))
+        bitmask = masks.result() if masks else None
+        while going:
+            group = [seqs[i] for i in going]
+            if depth:  # the grammar has consumed the tokens accepted so far
+                masks = self.start_masks(group)
+                bitmask = masks.result() if masks else None
+            drafts = [s.draft[depth] if depth < len(s.draft) else None for s in group]
+            raw = logits[[rows[i] + depth for i in going]]
+            next_tokens = sample(adjust_logits(raw, group, bitmask), group, drafts)
+            if collectives.tp_world()[1] > 1:
+                collectives.broadcast(next_tokens, src=0)
+            self.append_all(group, raw, next_tokens)
+            going = [i for i, draft, token in zip(going, drafts, next_tokens.tolist())
+                     if draft == token and not seqs[i].done]
+            for i in going:
+                seqs[i].cached += 1
+            if self.speculation:
+                self.speculation.accepted += len(going)
+            depth += 1
+
+    def append_all(self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor):
+        """Append each sequence's token, with its logprobs where asked for."""
         asked = [s.params.top_logprobs for s in seqs if s.params.logprobs]
         if asked:
-            chosen, top = token_logprobs(logits, next_tokens, max(asked))
-        for i, (s, token) in enumerate(zip(seqs, next_tokens.tolist())):
+            chosen, top = token_logprobs(logits, tokens, max(asked))
+        for i, (s, token) in enumerate(zip(seqs, tokens.tolist())):
             if s.params.logprobs:
                 self.append(s, token, chosen[i], top[i][:s.params.top_logprobs])
             else:

@@ -104,6 +104,14 @@ class BlockTable:
         self.blocks += [self.pool.take() for _ in range(need)]
         return True
 
+    def trim(self, n_tokens: int):
+        """Give back the blocks past those that n_tokens tokens fill (proposed tokens that
+        were rejected: no hash names those blocks)."""
+        keep = -(-n_tokens // self.pool.block_size)
+        for block in reversed(self.blocks[keep:]):
+            self.pool.release(block)
+        del self.blocks[keep:]
+
     def commit(self, tokens: list[int], n_cached: int):
         """The first n_cached of tokens are in the cache now: name the blocks they fill."""
         size = self.pool.block_size

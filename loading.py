@@ -9,6 +9,7 @@ import chat_format
 from engine import Engine
 from llama2 import tp_llama
 from serving_config import Machine, Resolved, ServingConfig
+from speculative import DraftProposer, NgramProposer, Speculation
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ def load(config: ServingConfig, model_dir: str, batch_size: int, world_size: int
                 runner.num_blocks, runner.block_size, runner.kv_cache_bytes() / 1e6,
                 "on" if config.prefix_caching else "off", run)
     engine = Engine(runner, llama.tokenizer, batch_size, run.max_batched_tokens, config.prefix_caching,
-                    threaded=run.overlap)
+                    threaded=run.overlap, speculation=speculation(config, model_dir, llama, world_size, progress))
     if config.compile:  # on the thread that will run the steps
         start = time.perf_counter()
         engine.start(runner.compile_decode)
@@ -42,6 +43,30 @@ def load(config: ServingConfig, model_dir: str, batch_size: int, world_size: int
     else:
         progress("not compiled (handler.compile: false)")
     return engine, run
+
+
+def speculation(config: ServingConfig, model_dir: str, llama, world_size: int, progress) -> Speculation | None:
+    """handler.speculative's proposer, with the draft model loaded (sharded as the target is,
+    its cache as many blocks as the target's: a sequence's block table addresses both)."""
+    spec = config.speculative
+    if spec.method == "off":
+        return None
+    runner = llama.runner
+    if spec.method == "ngram":
+        proposer = NgramProposer(spec.ngram_min, spec.ngram_max)
+    else:
+        path = os.path.join(model_dir, spec.draft)
+        draft = tp_llama(None, path, llama.tokenizer.path, world_size, dtype=config.torch_dtype,
+                         max_batch_size=runner.max_batch_size, max_seq_len=runner.max_seq_len,
+                         progress=progress, quantization=config.quantization_mode)
+        draft.runner.allocate(num_blocks=runner.num_blocks)
+        if draft.runner.vocab_size != runner.vocab_size:
+            raise ValueError(f"the draft model {path} has {draft.runner.vocab_size} tokens, the model "
+                             f"{runner.vocab_size}: they must share the tokenizer")
+        proposer = DraftProposer(draft.runner)
+    logger.info("speculative decoding: %s, %d tokens per step, while at most %d sequences decode",
+                spec.method, spec.k, spec.max_batch)
+    return Speculation(proposer, spec.k, spec.max_batch, runner.max_seq_len)
 
 
 class Progress:

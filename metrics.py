@@ -18,6 +18,11 @@ def record_engine(metrics, engine, steps: int, engine_ms: float):
                         ("EngineSteps", steps)):
         metrics.add_metric(name, value, "count", metric_type=MetricTypes.GAUGE)
     metrics.add_metric("EngineTime", engine_ms, "ms", metric_type=MetricTypes.GAUGE)
+    spec = engine.speculation
+    if spec:
+        for name, value in (("SpeculativeProposed", spec.proposed), ("SpeculativeAccepted", spec.accepted),
+                            ("SpeculativeAcceptedPerStep", spec.mean_accepted)):
+            metrics.add_metric(name, value, "count", metric_type=MetricTypes.GAUGE)
 
 
 def record_request(metrics, job: Job):

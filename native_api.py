@@ -11,7 +11,8 @@ from sequence import Sequence
 
 NATIVE_FIELDS = {"prompt", "dialog", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed",
                  "stop", "logprobs", "top_logprobs", "echo", "stream", "n", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "structured_outputs"}
+                 "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "structured_outputs",
+                 "speculative"}
 
 
 def parse(body, limits: Limits, defaults: Defaults, matcher=None) -> Request:

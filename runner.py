@@ -160,19 +160,11 @@ class ModelRunner:
         if (slot + bsz) * self.row_blocks > self.num_blocks or end > self.max_seq_len:
             raise ValueError(f"cache rows {slot + bsz} x length {end} exceed the KV cache "
                              f"({self.num_blocks // self.row_blocks} x {self.max_seq_len})")
-        batch = Batch(tokens=tokens.reshape(-1).tolist(), positions=[], slots=[])
-        tables = []
-        for row, start in enumerate(starts):
+        batch = Batch(tokens=[], positions=[], slots=[])
+        for row, (start, row_tokens) in enumerate(zip(starts, tokens.tolist())):
             first = (slot + row) * self.row_blocks
             table = list(range(first, first + -(-(start + seqlen) // self.block_size)))
-            positions = range(start, start + seqlen)
-            batch.positions += positions
-            batch.slots += [table[q // self.block_size] * self.block_size + q % self.block_size for q in positions]
-            tables.append(table)
-        if seqlen == 1:
-            batch.n_decode, batch.decode_blocks = bsz, tables
-        else:
-            batch.chunks = [(seqlen, table) for table in tables]
+            batch.add(row_tokens, start, table, self.block_size, decode=seqlen == 1)
         return self.forward_batch(batch).view(bsz, seqlen, -1)
 
 

@@ -84,7 +84,7 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], bitmask: torch.Ten
     return logits
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def sample(logits: torch.Tensor, seqs: list[Sequence], drafts: list[int | None] | None = None) -> torch.Tensor:
     """Each row's next token (b,): the most probable one where the temperature is 0, else a
     draw after temperature, top-k and top-p, from the sequence's own generator when it has a
     seed (so that its tokens do not depend on the other rows).
@@ -94,7 +94,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     p / q wins (token t with probability p_t over the set's mass). Draws follow the token
     ids, not the order of a sort, and tokens as probable as the last one of the top-p set
     stay in with it: two tokens of equal probability that trade places under rounding
-    (in another batch, at another TP size) change neither the set nor the winner."""
+    (in another batch, at another TP size) change neither the set nor the winner.
+
+    drafts: a proposed token per row, or None (speculative decoding). A greedy row's
+    proposal stands if it is the most probable token; a sampled row's with probability
+    p(draft) (a proposal is one token, not a distribution: q(draft) = 1), else the row draws
+    from the residual, p without the proposal, renormalised (Leviathan et al.'s rejection
+    sampling): the tokens are distributed as without the proposal."""
     tokens = logits.argmax(dim=-1)
     rows = [i for i, s in enumerate(seqs) if s.params.temperature > 0]
     if not rows:
@@ -107,10 +113,37 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=logits.device)[:, None]
     probs_sort = torch.sort(probs, dim=-1, descending=True).values
     least = probs_sort.gather(-1, top_p_count(probs_sort, top_p) - 1)  # the top-p set's least probability
+    kept = probs.masked_fill((probs < least) | (probs == 0), 0.0)
+    accepted = {}
+    if drafts is not None:
+        accepted = accept_drafts(kept, [(j, drafts[i], seqs[i].generator) for j, i in enumerate(rows)
+                                        if drafts[i] is not None])
     q = torch.stack([torch.empty_like(probs[0]).exponential_(generator=seqs[i].generator) for i in rows])
-    outside = (probs < least) | (probs == 0)  # masked after dividing: a draw of q = 0 makes 0 / 0
-    tokens[rows] = (probs / q).masked_fill_(outside, -1.0).argmax(dim=-1)
+    # masked after dividing: a draw of q = 0 makes 0 / 0
+    tokens[rows] = (kept / q).masked_fill_(kept == 0, -1.0).argmax(dim=-1)
+    for j, token in accepted.items():
+        tokens[rows[j]] = token
     return tokens
+
+
+def accept_drafts(kept: torch.Tensor, drafts: list[tuple[int, int, torch.Generator | None]]) -> dict[int, int]:
+    """The rows of kept (b, vocab: probabilities, not normalised) whose proposed token stands,
+    each with probability p(token) = kept[token] / kept.sum(); drafts: (row, token,
+    generator). A row whose proposal is rejected is left to draw from its residual."""
+    accepted = {}
+    for row, token, generator in drafts:
+        u = torch.rand((), generator=generator, device=kept.device)
+        if u * kept[row].sum() < kept[row, token]:
+            accepted[row] = token
+        else:
+            residual(kept, row, token)
+    return accepted
+
+
+def residual(kept: torch.Tensor, row: int, token: int):
+    """After a rejected proposal, the row's distribution is p - q clipped at 0, renormalised:
+    with q all on the proposed token, p without it (written in place)."""
+    kept[row, token] = 0.0
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[list[float], list[list]]:

@@ -53,15 +53,17 @@ class Scheduler:
         return w.n == 1 and self.uncached(w.seq) == 1
 
     def schedule(self) -> list[Work]:
-        """This step's work: one token for each decoding sequence, then prefill chunks of
-        the sequences already running, then of new ones, while the budget lasts."""
+        """This step's work: one token for each decoding sequence (and blocks for the
+        draft_room tokens it may verify, speculative.py), then prefill chunks of the sequences
+        already running, then of new ones, while the budget lasts."""
         budget = self.max_batched_tokens
         work = []
         for decoding in (True, False):
             for seq in list(self.running):
                 if seq not in self.running or (self.uncached(seq) == 1) != decoding or budget <= 0:
                     continue
-                n = min(self.uncached(seq), budget)
+                n = min(self.uncached(seq) + (seq.draft_room if decoding else 0), budget)
+                seq.draft_room = max(0, n - self.uncached(seq))  # what the budget leaves for proposed tokens
                 if self.make_room(seq, seq.cached + n):
                     work.append(Work(seq, n))
                     budget -= n
@@ -92,7 +94,7 @@ class Scheduler:
     def preempt(self, seq):
         self.running.remove(seq)
         seq.table.free()
-        seq.cached = 0
+        seq.cached = seq.draft_room = seq.draft_cached = 0
         self.waiting.appendleft(seq)
         self.preemptions += 1
 

@@ -33,6 +33,7 @@ class SamplingParams:
     # (a chat message, as Meta's reference decodes an answer: no space left over from the layout).
     continue_prompt: bool = True
     constraint: Constraint | None = None  # structured outputs: what the text must be, token by token
+    speculative: bool = True  # False: never verify proposed tokens for it (where the engine speculates)
 
 
 @dataclass(eq=False)
@@ -66,6 +67,12 @@ class Sequence:
     matcher: Matcher | None = None  # with params.constraint: where the tokens so far are in its grammar
     table: BlockTable | None = None  # set by the engine's scheduler
     cached: int = 0  # tokens whose keys and values are in the cache
+    # speculative decoding (speculative.py): how many proposed tokens this step may verify
+    # (the scheduler reserves their blocks), the proposed tokens, and the tokens whose keys
+    # and values a draft model has in its own cache
+    draft_room: int = 0
+    draft: list[int] = field(default_factory=list)
+    draft_cached: int = 0
 
     @property
     def done(self) -> bool:

@@ -57,6 +57,29 @@ SECTION_RULES = {int: ("a whole number >= 0", lambda value: whole(value, 0)), fl
 
 
 @dataclass
+class Speculative:
+    """handler.speculative: proposed tokens verified in the decode steps (speculative.py)."""
+    method: str = setting("off", "off, ngram or draft", one_of("off", "ngram", "draft"))
+    k: int = setting(4, "a whole number >= 1", lambda value: whole(value, 1))  # tokens proposed per step
+    ngram_min: int = setting(1, "a whole number >= 1", lambda value: whole(value, 1))  # prompt lookup's n-grams
+    ngram_max: int = setting(3, "a whole number >= 1", lambda value: whole(value, 1))
+    # method draft: the draft model's checkpoint (same tokenizer), relative to the archive or absolute
+    draft: str | None = setting(None, "a path", lambda value: value is None or a_path(value))
+    # speculate while at most this many sequences decode (BENCHMARKS.md, speculative decoding)
+    max_batch: int = setting(2, "a whole number >= 0", lambda value: whole(value, 0))
+
+    def __post_init__(self):
+        for f in fields(self):
+            refuse_unless(f"handler.speculative.{f.name}", getattr(self, f.name), f.metadata["must"],
+                          f.metadata["ok"])
+        if self.ngram_max < self.ngram_min:
+            raise ValueError(f"handler.speculative.ngram_max must be at least ngram_min {self.ngram_min}, "
+                             f"got {self.ngram_max}")
+        if (self.method == "draft") != (self.draft is not None):
+            raise ValueError("handler.speculative.draft must be given with method draft, and only then")
+
+
+@dataclass
 class ServingConfig:
     """model-config.yaml's handler section; a setting it leaves out gets the default here."""
     checkpoint: str = setting("weights", "a path", a_path)  # relative to the archive, or absolute
@@ -75,6 +98,7 @@ class ServingConfig:
     quantization: str = setting("none", f"none, {' or '.join(quant.MODES)}", one_of("none", *quant.MODES))
     limits: Limits = field(default_factory=Limits)
     defaults: Defaults = field(default_factory=Defaults)
+    speculative: Speculative = field(default_factory=Speculative)
 
     def __post_init__(self):
         for f in fields(self):
@@ -101,7 +125,7 @@ class ServingConfig:
             raise ValueError(f"unknown keys in the handler section of model-config.yaml: "
                              f"{', '.join('handler.' + key for key in unknown)} (the keys are {', '.join(names)})")
         sections = {}
-        for name, section in (("limits", Limits), ("defaults", Defaults)):
+        for name, section in (("limits", Limits), ("defaults", Defaults), ("speculative", Speculative)):
             values = handler.get(name)
             refuse_unless(f"handler.{name}", values, "a mapping of settings",
                           lambda value: value is None or isinstance(value, dict))

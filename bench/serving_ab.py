@@ -1,6 +1,6 @@
 """Serving speed of this tree against an earlier commit, through TorchServe, in one run:
 
-    python bench/serving_ab.py [--baseline f9e32b2] [--rounds 2] [--no-write]
+    python bench/serving_ab.py [--baseline f9e32b2 | --speculative ngram] [--rounds 2] [--no-write]
 
 Each round starts a private TorchServe (tools/local_server.py: TP=2, batchSize 8, the
 handler's settings as configured) on the baseline's files (from `git archive`) and one on
@@ -8,7 +8,8 @@ this tree's, one after the other, on the same random Llama (bench/serving.py's ~
 each server measures a single stream (128 new tokens, greedy, EOS off: its decode tokens/s
 after the first token, median of 5) and 8 clients (64 streamed requests of 16-64 prompt and
 64 new tokens: output tokens/s). The median over rounds is compared. Writes its table into
-BENCHMARKS.md (serving_ab).
+BENCHMARKS.md (serving_ab). With --speculative METHOD, this tree with
+handler.speculative.method METHOD against this tree without (serving_ab_speculative).
 """
 
 import argparse
@@ -54,13 +55,18 @@ def run(a) -> dict:
     bodies = serving.request_bodies(prompts, 64, 0.6)
     runs = {"baseline": [], "this tree": []}
     with tempfile.TemporaryDirectory(prefix="bench_serving_ab_") as tmp:
-        roots = {"baseline": checkout(a.baseline, os.path.join(tmp, "baseline")), "this tree": serving.ROOT}
+        if a.speculative:
+            servers = {"baseline": (serving.ROOT, None),
+                       "this tree": (serving.ROOT, {"speculative": {"method": a.speculative}})}
+        else:
+            servers = {"baseline": (checkout(a.baseline, os.path.join(tmp, "baseline")), None),
+                       "this tree": (serving.ROOT, None)}
         ckpt, _ = serving.write_checkpoint(os.path.join(tmp, "ckpt"), 512, 6, 8)
         for i in range(a.rounds):
-            for name, root in roots.items():
+            for name, (root, handler) in servers.items():
                 begin = time.perf_counter()
                 m = served(tmp, f"{name.replace(' ', '_')}-{i}", ckpt,
-                           lambda s: measure(s, prompts[0], bodies, a.seed), root=root)
+                           lambda s: measure(s, prompts[0], bodies, a.seed), root=root, handler=handler)
                 runs[name].append(m)
                 print(f"round {i} {name}: {m} ({time.perf_counter() - begin:.0f} s)", file=sys.stderr)
     return runs
@@ -70,9 +76,12 @@ def section(a, runs: dict, argv: list[str]) -> str:
     def median(name, key):
         return statistics.median(m[key] for m in runs[name])
 
-    lines = ["## Serving speed against an earlier commit", "",
+    against = (f"with handler.speculative.method {a.speculative} (*this tree*) against without (*baseline*)"
+               if a.speculative else f"against {a.baseline}")
+    title = "Serving speed with speculative decoding" if a.speculative else "Serving speed against an earlier commit"
+    lines = [f"## {title}", "",
              f"`{' '.join(['python', 'bench/serving_ab.py'] + argv)}` — {report.header()}; this tree "
-             f"{serving.revision()} against {a.baseline}, {a.rounds} rounds, medians.", "",
+             f"{serving.revision()} {against}, {a.rounds} rounds, medians.", "",
              "| part | baseline | this tree | ratio | each round (this tree / baseline) |", "|---|---|---|---|---|"]
     for key, title in (("single", "single stream, decode tokens/s"), ("clients8", "8 clients, output tokens/s")):
         base, ours = median("baseline", key), median("this tree", key)
@@ -86,9 +95,11 @@ def main():
     ap.add_argument("--baseline", default="f9e32b2")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--speculative", choices=["ngram"], help="this tree with this method against without")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
-    report.publish("serving_ab", section(a, run(a), sys.argv[1:]), write=not a.no_write)
+    name = "serving_ab_speculative" if a.speculative else "serving_ab"
+    report.publish(name, section(a, run(a), sys.argv[1:]), write=not a.no_write)
 
 
 if __name__ == "__main__":

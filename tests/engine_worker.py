@@ -1,11 +1,12 @@
 """The engine workload of test_engine.py, in-process or as one tensor-parallel rank under
 torchrun (tests/torchrun.py):
 
-    engine_worker.py OUT_DIR FOLDER [constrained]
+    engine_worker.py OUT_DIR FOLDER [constrained | speculative]
 
 runs workload() on FOLDER (loaded with llama2.tp_llama on WORLD_SIZE ranks) once per entry
 of CONFIGS and saves {config: result} to OUT_DIR/rank{r}.pt; with constrained, runs
-constrained() (test_constrained.py's) alone and saves {"constrained": result}."""
+constrained() (test_constrained.py's) alone and saves {"constrained": result}; with
+speculative, test_speculative.py's speculated() for each proposer, {method: result}."""
 
 import os
 import sys
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from engine import Engine
 from sequence import SamplingParams
+from speculative import DraftProposer, NgramProposer, Speculation
 from structured import Constraint
 
 SYSTEM = "You are a cheerful assistant. You answer every question briefly, kindly and with a joke. "
@@ -75,6 +77,48 @@ def constrained(llama) -> dict:
             "finish_reasons": [s.finish_reason for s in seqs], "greedy": [t == 0 for _, t in settings]}
 
 
+PASSAGE = ("The old lighthouse keeper climbed the stairs every evening, lit the lamp, and watched the ships "
+           "pass the rocks until morning came over the grey sea.")
+
+
+def speculative_requests(tok) -> list[tuple[list[int], SamplingParams]]:
+    """Prompts that quote a passage (prompt lookup finds what follows) and some that do not,
+    greedy: one ended by a stop string and one by max_gen_len a few tokens in, where a run
+    of accepted tokens may cross them, and one that opts out."""
+    quote = tok.encode(f"{PASSAGE}\nOnce more, word for word: {PASSAGE[:60]}", bos=True, eos=False)
+    prompts = [quote, tok.encode(SYSTEM + QUESTIONS[1], bos=True, eos=False), tok.encode(LONG, bos=True, eos=False),
+               quote, quote, tok.encode(SYSTEM + QUESTIONS[0], bos=True, eos=False)]
+    settings = [{}, {}, {}, {"stop": ("water, and",)}, {"max_gen_len": 33}, {"speculative": False}]
+    return [(p, SamplingParams(**({"max_gen_len": 40, "temperature": 0} | s))) for p, s in zip(prompts, settings)]
+
+
+def draft_model(folder: str, world_size: int):
+    """A draft for the demo: the same checkpoint quantized to int8, which mostly agrees with it."""
+    import llama2
+    draft = llama2.tp_llama(None, folder, None, world_size, max_batch_size=4, max_seq_len=256, quantization="int8")
+    return draft.runner
+
+
+def speculated(llama, proposer, caching: bool = True, budget: int = 16, max_seqs: int = 3) -> dict:
+    """speculative_requests() decoded with proposer (None: without speculation), with chunked
+    prefill, more sequences than max_seqs; then the first again, from the prefix cache. Returns
+    each one's tokens, text and finish reason, and the proposed and accepted counts."""
+    spec = proposer and Speculation(proposer, 4, max_seqs, llama.runner.max_seq_len)
+    engine = Engine(llama.runner, llama.tokenizer, max_seqs=max_seqs, max_batched_tokens=budget,
+                    prefix_caching=caching, speculation=spec)
+    requests = speculative_requests(llama.tokenizer)
+    seqs = [engine.add(p, params) for p, params in requests]
+    while engine.running:
+        engine.step()
+    seqs.append(engine.add(*requests[0]))
+    while engine.running:
+        engine.step()
+    assert engine.pool.num_used == 0
+    return {"tokens": [s.tokens for s in seqs], "texts": [s.text for s in seqs],
+            "finish_reasons": [s.finish_reason for s in seqs], "hits": engine.pool.hits,
+            "proposed": spec.proposed if spec else 0, "accepted": spec.accepted if spec else 0}
+
+
 def budgeted(llama, slow: bool) -> dict:
     """One sequence decoded by run(16, seconds) until done (seconds: about 4 steps at rank 0's
     first pace), this rank's pace taken as three times what it measured when slow (as if the ranks' clocks disagreed), and the same
@@ -103,6 +147,10 @@ def main():
     llama = llama2.tp_llama(None, folder, None, world_size, max_batch_size=4, max_seq_len=256)
     if mode == ["constrained"]:
         result = {"constrained": constrained(llama)}
+    elif mode == ["speculative"]:
+        draft = draft_model(folder, world_size)
+        draft.allocate(num_blocks=llama.runner.num_blocks)
+        result = {"ngram": speculated(llama, NgramProposer()), "draft": speculated(llama, DraftProposer(draft))}
     else:
         result = {config: workload(llama, *config) for config in CONFIGS}
         result["budgeted"] = budgeted(llama, slow=dist.get_rank() == 1)

@@ -107,6 +107,27 @@ def check(config: dict, weights: str | None = None) -> str:
         raise ValueError(f"the tokenizer {tokenizer_path} has {n_words} tokens, the model in {folder} "
                          f"{vocab}: they are not the same vocabulary")
 
+    model = fitting_tp(args, folder, tp)
+    draft = settings.speculative.draft and on_disk(settings.speculative.draft, weights)
+    if draft:  # a draft model in the archive is checked when the workers load it
+        draft_args, _ = checkpoint.inspect(draft)
+        if draft_args["vocab_size"] != vocab:
+            raise ValueError(f"the draft model in {draft} has {draft_args['vocab_size']} tokens, the model in "
+                             f"{folder} {vocab}: handler.speculative.draft must share the tokenizer")
+        fitting_tp(draft_args, draft, tp)
+    max_seq_len = settings.max_seq_len
+    if positions and max_seq_len > positions:
+        raise ValueError(f"handler.max_seq_len {max_seq_len} is beyond the {positions} positions the model "
+                         f"in {folder} was made for (config.json max_position_embeddings)")
+    if config.get("deviceType") == "gpu" and torch.cuda.device_count() < tp:
+        raise ValueError(f"TP={tp} needs {tp} GPUs, this machine has {torch.cuda.device_count()}")
+    return (f"checked {folder}: {model.n_layers} layers, {model.n_heads} heads, {model.n_kv_heads} KV heads, FFN width "
+            f"{model.ffn_hidden_dim}, vocabulary {vocab if vocab > 0 else n_words}; tokenizer: {n_words} tokens; "
+            f"TP={tp}")
+
+
+def fitting_tp(args: dict, folder: str, tp: int) -> ModelArgs:
+    """The model's arguments; a ValueError if TP does not divide its heads, KV heads or FFN width."""
     model = ModelArgs(**args)
     try:
         for rank in range(tp):
@@ -117,15 +138,7 @@ def check(config: dict, weights: str | None = None) -> str:
     if model.ffn_hidden_dim % tp:
         raise ValueError(f"TP={tp} does not fit the model in {folder}: its FFN width {model.ffn_hidden_dim} "
                          f"cannot be split over {tp} ranks")
-    max_seq_len = settings.max_seq_len
-    if positions and max_seq_len > positions:
-        raise ValueError(f"handler.max_seq_len {max_seq_len} is beyond the {positions} positions the model "
-                         f"in {folder} was made for (config.json max_position_embeddings)")
-    if config.get("deviceType") == "gpu" and torch.cuda.device_count() < tp:
-        raise ValueError(f"TP={tp} needs {tp} GPUs, this machine has {torch.cuda.device_count()}")
-    return (f"checked {folder}: {model.n_layers} layers, {model.n_heads} heads, {model.n_kv_heads} KV heads, FFN width "
-            f"{model.ffn_hidden_dim}, vocabulary {vocab if vocab > 0 else n_words}; tokenizer: {n_words} tokens; "
-            f"TP={tp}")
+    return model
 
 
 def main():

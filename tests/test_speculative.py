@@ -1,0 +1,164 @@
+"""Speculative decoding (speculative.py, sampler.sample with drafts, the engine's
+verification): greedy tokens exactly as without it, at TP 1 and 2, with prefix caching and
+chunked prefill; sampled tokens distributed as without it (a chi-square test that the
+residual resampling is what keeps them so); prompt lookup; the settings."""
+
+import pytest
+import torch
+
+import sampler
+from engine import Engine
+from engine_worker import draft_model, speculated
+from sequence import SamplingParams
+from serving_config import ServingConfig
+from speculative import DraftProposer, NgramProposer, Speculation, ngram_lookup
+from test_engine import demo
+from torchrun import run
+
+from conftest import DEMO
+
+
+def test_ngram_lookup_proposes_what_followed_the_latest_longest_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert ngram_lookup(tokens, 3, 1, 3) == [7, 8, 5]  # "2 3" (no "5 2 3" before): the latest, at 5..6
+    assert ngram_lookup(tokens, 1, 1, 3) == [7]
+    assert ngram_lookup([1, 2, 3, 4], 3, 1, 3) == []  # nothing occurred before
+    assert ngram_lookup([4, 5, 4], 5, 1, 3) == [5, 4]  # what follows may run into the suffix itself
+    assert ngram_lookup([7, 7, 7, 7], 2, 2, 2) == [7]  # an occurrence that ends at the last token is skipped
+    # token ids whose bytes match across a token boundary are no match
+    assert ngram_lookup([256, 1, 9, 1 << 16], 2, 1, 1) == []
+    assert ngram_lookup([1, 2, 3, 1, 2], 2, 3, 3) == []  # min_n: shorter matches do not count
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return demo()
+
+
+@pytest.fixture(scope="module")
+def plain(llama):
+    return {caching: speculated(llama, None, caching) for caching in (True, False)}
+
+
+@pytest.fixture(scope="module")
+def draft(llama):
+    runner = draft_model(DEMO, 1)
+    runner.allocate(num_blocks=llama.runner.num_blocks)
+    return runner
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_tokens_as_without_speculation(llama, plain, draft, method, caching):
+    """Tokens, text and finish reasons equal those without speculation, including a stop
+    string and max_gen_len that end a sequence a few tokens in, chunked prefill (16 tokens a
+    step), preemption-free joins, an opted-out request and a prompt found in the prefix cache;
+    both accepted and rejected proposals happened."""
+    proposer = NgramProposer() if method == "ngram" else DraftProposer(draft)
+    spec = speculated(llama, proposer, caching)
+    for key in ("tokens", "texts", "finish_reasons", "hits"):
+        assert spec[key] == plain[caching][key], key
+    assert plain[caching]["finish_reasons"][3:5] == ["stop", "length"]
+    assert 0 < spec["accepted"] < spec["proposed"], spec
+
+
+def test_opted_out_and_large_batches_do_not_speculate(llama):
+    spec = Speculation(NgramProposer(), 4, max_batch=1, max_seq_len=llama.runner.max_seq_len)
+    engine = Engine(llama.runner, llama.tokenizer, speculation=spec)
+    prompt = llama.tokenizer.encode("one two three one two three one two three one two", bos=True, eos=False)
+    greedy = SamplingParams(max_gen_len=8, temperature=0)
+    engine.add(prompt, SamplingParams(max_gen_len=8, temperature=0, speculative=False))
+    while engine.running:
+        engine.step()
+    assert spec.proposed == 0
+    for _ in range(2):
+        engine.add(prompt, greedy)
+    while engine.running:
+        engine.step()
+    assert spec.proposed == 0  # two sequences decoding: more than max_batch
+    engine.add(prompt, greedy)
+    while engine.running:
+        engine.step()
+    assert spec.proposed > 0
+
+
+@pytest.mark.slow
+def test_tp2_speculation_matches_tp1(llama, plain, draft, tmp_path):
+    """At TP=2 (the draft sharded as the model is) both ranks give TP=1's tokens, with and
+    without speculation."""
+    ranks = run("engine_worker.py", 2, tmp_path, DEMO, "speculative")
+    for method, proposer in (("ngram", NgramProposer()), ("draft", DraftProposer(draft))):
+        tp1 = speculated(llama, proposer)
+        for rank in ranks:
+            assert rank[method]["tokens"] == tp1["tokens"] == plain[True]["tokens"], method
+            assert rank[method]["accepted"] == tp1["accepted"], method
+
+
+# --- sampling: the same distribution ---------------------------------------------------------
+
+SAMPLES = 1536
+
+
+def draws(llama, proposer) -> list[tuple[int, ...]]:
+    """SAMPLES seeded continuations (seeds 0, 1, ...) of 4 tokens at temperature 0.5 (where
+    the demo model repeats itself often enough), top_p 1, of a prompt that repeats itself;
+    tokens 2 and 3 come from verified rows when speculating."""
+    prompt = llama.tokenizer.encode("So the sun was a balance of the water, and the sun was a balance of the water, "
+                                    "and the sun was a balance", bos=True, eos=False)
+    spec = proposer and Speculation(proposer, 3, max_batch=64, max_seq_len=llama.runner.max_seq_len)
+    engine = Engine(llama.runner, llama.tokenizer, max_seqs=64, speculation=spec)
+    out = []
+    for first in range(0, SAMPLES, 64):
+        seqs = [engine.add(prompt, SamplingParams(max_gen_len=4, temperature=0.5, top_p=1.0, seed=seed,
+                                                  ignore_eos=True)) for seed in range(first, first + 64)]
+        while engine.running:
+            engine.step()
+        out += [tuple(s.tokens[1:3]) for s in seqs]
+    assert not spec or spec.accepted > SAMPLES / 4  # verified rows decided many of the tokens
+    return out
+
+
+def chi_square_p(a: list, b: list) -> float:
+    """The p-value of Pearson's chi-square test that samples a and b come from one
+    distribution (categories expected fewer than 5 times in either are pooled)."""
+    cats = sorted(set(a) | set(b))
+    counts = torch.tensor([[a.count(c) for c in cats], [b.count(c) for c in cats]], dtype=torch.float64)
+    expected = counts.sum(0) / 2  # equal sample sizes
+    rare = expected < 5
+    counts = torch.cat([counts[:, ~rare], counts[:, rare].sum(1, keepdim=True)], dim=1)
+    counts = counts[:, counts.sum(0) > 0]
+    expected = counts.sum(0, keepdim=True) / 2
+    stat = ((counts - expected) ** 2 / expected).sum()
+    dof = counts.shape[1] - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
+
+
+@pytest.fixture(scope="module")
+def unspeculated(llama):
+    return draws(llama, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampling_keeps_the_distribution(llama, draft, unspeculated, method, monkeypatch):
+    """Two tokens after the first, drawn with and without speculation: a chi-square test does
+    not reject that they are alike at the 1 % level; with the residual resampling removed
+    (a rejected proposal's row drawing from p, the proposal included), it does."""
+    proposer = NgramProposer() if method == "ngram" else DraftProposer(draft)
+    assert chi_square_p(draws(llama, proposer), unspeculated) > 0.01
+    monkeypatch.setattr(sampler, "residual", lambda kept, row, token: None)
+    assert chi_square_p(draws(llama, proposer), unspeculated) < 0.01
+
+
+# --- settings ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("speculative, problem", [
+    ({"method": "eagle"}, "handler.speculative.method must be off, ngram or draft, got 'eagle'"),
+    ({"method": "ngram", "k": 0}, "handler.speculative.k must be a whole number >= 1, got 0"),
+    ({"method": "ngram", "ngram_min": 3, "ngram_max": 2}, "handler.speculative.ngram_max must be at least ngram_min 3, got 2"),
+    ({"method": "draft"}, "handler.speculative.draft must be given with method draft"),
+    ({"method": "ngram", "speed": 2}, "handler.speculative: unknown keys ['speed']"),
+])
+def test_bad_speculative_settings_are_refused_by_key(speculative, problem):
+    with pytest.raises(ValueError, match="^" + problem.replace("[", r"\[").replace("(", r"\(")):
+        ServingConfig.from_model_config({"continuousBatching": True, "handler": {"speculative": speculative}})
