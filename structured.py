@@ -142,17 +142,29 @@ def compiled(ll: LLTokenizer, grammar: str) -> LLMatcher:
     return matcher
 
 
+# llguidance's slices: tokens are split among these regexes (each to the first that matches it,
+# the rest to a catch-all), and a mask skips the tokens of any slice the lexer allows whole,
+# walking the token trie only for the others. Its defaults (general_slices(): whitespace, then
+# string characters {1,10}, {1,30}, +) skip nothing inside an email (format) or a string with
+# fewer than 10 characters left of its maxLength; alphanumeric slices (which an email's parts
+# allow whole) and a {1,5} one cut those walks. Only how fast a mask is computed, never what it
+# allows: BENCHMARKS.md, "Structured outputs".
+_STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'
+SLICES = [r"[\x20\x0A\x0D\x09]+", "[a-zA-Z0-9]{1,10}", "[a-zA-Z0-9]{1,30}", "[a-zA-Z0-9]+",
+          _STRING_CHAR + "{1,5}", _STRING_CHAR + "{1,10}", _STRING_CHAR + "{1,30}", _STRING_CHAR + "+"]
+
+
 def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> LLTokenizer:
-    """llguidance's tokenizer for ours. The tiktoken and Hugging Face ones are llguidance's
-    own (Rust, so computing a mask never needs the GIL, and text it forces is tokenized as the
-    tokenizer would)."""
+    """llguidance's tokenizer for ours, with SLICES. The tiktoken and Hugging Face ones are
+    llguidance's own (Rust, so computing a mask never needs the GIL, and text it forces is
+    tokenized as the tokenizer would)."""
     stops = sorted(tokenizer.stop_ids) or None
     if isinstance(tokenizer, HFTokenizer):
-        return LLTokenizer(tokenizer.path, n_vocab=vocab_size, eos_token=stops)
+        return LLTokenizer(tokenizer.path, n_vocab=vocab_size, eos_token=stops, slices=SLICES)
     if isinstance(tokenizer, TiktokenTokenizer):
-        return lltokenizer_from_encoding(tokenizer.model, n_vocab=vocab_size, eos_token=stops)
+        return lltokenizer_from_encoding(tokenizer.model, n_vocab=vocab_size, eos_token=stops).with_slices(SLICES)
     table = SentencePieceTable(tokenizer, vocab_size)
-    ll = LLTokenizer(TokenizerWrapper(table), eos_token=stops)
+    ll = LLTokenizer(TokenizerWrapper(table), eos_token=stops, slices=SLICES)
     table.tokenize = ll.greedy_tokenize
     return ll
 
