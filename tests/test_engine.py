@@ -62,6 +62,7 @@ class FakeSeq:
     def __init__(self, id, prompt, generated=0):
         self.id, self.prompt_tokens, self.tokens = id, list(prompt), [0] * generated
         self.needs_prompt_logprobs = False
+        self.draft_room = 0  # no speculative decoding
 
 
 def test_scheduler_budget_decodes_first_and_chunks():

@@ -366,11 +366,11 @@ def test_failed_prefill_frees_its_blocks(demo_llama, monkeypatch):
     calls = {"n": 0}
     real_sample = engine_module.sample
 
-    def failing_sample(logits, seqs):
+    def failing_sample(logits, seqs, drafts=None):
         calls["n"] += 1
         if calls["n"] == 1:  # the step that prefills the three prompts fails
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-        return real_sample(logits, seqs)
+        return real_sample(logits, seqs, drafts)
 
     monkeypatch.setattr(engine_module, "sample", failing_sample)
     jobs["bad"] = job({"prompt": ["one", "two", "three"], "temperature": 0.5, "max_new_tokens": 4})

@@ -52,7 +52,7 @@ def test_unknown_keys_are_refused_by_name():
     assert refusal({"overlapp": True, "max_seq_len": 64, "speed": "fast"}) == (
         "unknown keys in the handler section of model-config.yaml: handler.overlapp, handler.speed (the keys are "
         "checkpoint, tokenizer, max_seq_len, dtype, compile, kv_cache_bytes, max_batched_tokens, overlap, "
-        "steps_per_iteration, prefix_caching, quantization, limits, defaults)")
+        "steps_per_iteration, prefix_caching, quantization, limits, defaults, speculative)")
     assert refusal({"limits": {"max_tokens": 9}}) == "handler.limits: unknown keys ['max_tokens']"
 
 
