@@ -212,11 +212,12 @@ class Engine:
 
     def propose(self, work: list[Work]):
         """Proposed tokens for the decoding sequences the scheduler made room for; each work
-        then computes its last token and those, and decode rows stay first."""
+        then computes its last token and those, as decode rows (batched, compiled, CUDA
+        graphs), which stay before the prefill chunks."""
         self.speculation.propose([w.seq for w in work])
         for w in work:
             w.n += len(w.seq.draft) - w.seq.draft_room
-        work.sort(key=lambda w: not self.scheduler.is_decode(w))
+        work.sort(key=lambda w: not (w.seq.draft or self.scheduler.is_decode(w)))
 
     def batch(self, work: list[Work]) -> tuple[Batch, list[tuple[int, int]]]:
         """The forward pass's Batch, and for each work the rows [first, last) of its logits:
@@ -226,7 +227,11 @@ class Engine:
         for w in work:
             seq = w.seq
             tokens = tokens_between(seq, seq.cached, seq.cached + w.n - len(seq.draft)) + seq.draft
-            batch.add(tokens, seq.cached, seq.table.blocks, self.pool.block_size, self.scheduler.is_decode(w))
+            if seq.draft:  # verifying: a decode row per token, each attending up to its own position
+                for i, token in enumerate(tokens):
+                    batch.add([token], seq.cached + i, seq.table.blocks, self.pool.block_size, decode=True)
+            else:
+                batch.add(tokens, seq.cached, seq.table.blocks, self.pool.block_size, self.scheduler.is_decode(w))
             index = len(batch.tokens) - w.n
             # a proposed token's row verifies the next one (speculative.py)
             scored = w.n if scores_prompt(seq) else 1 + len(seq.draft)
