@@ -274,6 +274,7 @@ class Engine:
         proposed tokens (seq.draft) has a row for each after its own: while the token sampled
         is the one proposed, it stands (its cache entry with it) and the next row samples."""
         depth, going = 0, list(range(len(seqs)))
+        accepted = [0] * len(seqs)
         bitmask = masks.result() if masks else None
         while going:
             group = [seqs[i] for i in going]
@@ -290,9 +291,12 @@ class Engine:
                      if draft == token and not seqs[i].done]
             for i in going:
                 seqs[i].cached += 1
-            if self.speculation:
-                self.speculation.accepted += len(going)
+                accepted[i] += 1
             depth += 1
+        if self.speculation:
+            for seq, n in zip(seqs, accepted):
+                if seq.draft:
+                    self.speculation.record(seq, n)
 
     def append_all(self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor):
         """Append each sequence's token, with its logprobs where asked for."""

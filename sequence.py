@@ -68,11 +68,12 @@ class Sequence:
     table: BlockTable | None = None  # set by the engine's scheduler
     cached: int = 0  # tokens whose keys and values are in the cache
     # speculative decoding (speculative.py): how many proposed tokens this step may verify
-    # (the scheduler reserves their blocks), the proposed tokens, and the tokens whose keys
-    # and values a draft model has in its own cache
+    # (the scheduler reserves their blocks), the proposed tokens, the tokens whose keys
+    # and values a draft model has in its own cache, and its proposals' length limit
     draft_room: int = 0
     draft: list[int] = field(default_factory=list)
     draft_cached: int = 0
+    draft_limit: int = 0  # the most tokens it proposes next step (0: the policy's k)
 
     @property
     def done(self) -> bool:

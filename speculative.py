@@ -8,8 +8,9 @@ weights once, as a step that makes one does) and keeps as far as the model agree
 - DraftProposer: a smaller model with the same tokenizer decodes k tokens ahead, greedily,
   with a KV cache of its own addressed by the sequence's block table.
 
-Speculation (the policy) decides which sequences propose this step: none while more than
-max_batch sequences decode (verifying costs more than it saves once the step is no longer
+Speculation (the policy) decides which sequences propose this step, and how many tokens:
+one more than the sequence last accepted, up to k; none while more than max_batch
+sequences decode (verifying costs more than it saves once the step is no longer
 bound by reading the weights: BENCHMARKS.md, speculative decoding), none for a request
 that opted out, and never past max_gen_len or max_seq_len."""
 
@@ -95,7 +96,7 @@ class Speculation:
         for seq in decoding:
             length = len(seq.prompt_tokens) + len(seq.tokens)
             left = min(seq.params.max_gen_len - len(seq.tokens), self.max_seq_len - length) - 1
-            seq.draft_room = max(0, min(self.k, left)) if on and seq.params.speculative else 0
+            seq.draft_room = max(0, min(seq.draft_limit or self.k, left)) if on and seq.params.speculative else 0
 
     def propose(self, seqs: list[Sequence]):
         """Fill seq.draft for the sequences with room (the scheduler may have cut it)."""
@@ -106,6 +107,12 @@ class Speculation:
             seq.draft = draft[:seq.draft_room]
             self.proposed += len(seq.draft)
             self.verified += bool(seq.draft)
+
+    def record(self, seq: Sequence, accepted: int):
+        """After seq verified its proposal: it next proposes one token more than it had
+        accepted (at most k), so that a sequence whose proposals fail verifies few tokens."""
+        self.accepted += accepted
+        seq.draft_limit = min(self.k, accepted + 1)
 
     @property
     def mean_accepted(self) -> float:
