@@ -162,3 +162,32 @@ def test_sampling_keeps_the_distribution(llama, draft, unspeculated, method, mon
 def test_bad_speculative_settings_are_refused_by_key(speculative, problem):
     with pytest.raises(ValueError, match="^" + problem.replace("[", r"\[").replace("(", r"\(")):
         ServingConfig.from_model_config({"continuousBatching": True, "handler": {"speculative": speculative}})
+
+
+def test_loading_builds_the_configured_proposer(llama):
+    """handler.speculative as loading.py reads it: n-gram, or a draft model whose cache has
+    the model's blocks (a block table addresses both)."""
+    import os
+
+    from loading import speculation
+
+    def made(**spec):
+        config = ServingConfig.from_model_config({"continuousBatching": True, "handler": {"speculative": spec}})
+        return speculation(config, os.path.dirname(DEMO), llama, 1, lambda stage, **figures: None)
+
+    assert made() is None
+    assert isinstance(made(method="ngram", k=2).proposer, NgramProposer)
+    drafted = made(method="draft", draft=os.path.basename(DEMO), max_batch=3)
+    assert isinstance(drafted.proposer, DraftProposer) and (drafted.k, drafted.max_batch) == (4, 3)
+    assert drafted.proposer.runner.num_blocks == llama.runner.num_blocks
+
+
+@pytest.mark.parametrize("value", [False, True])
+def test_requests_opt_out_by_field(value):
+    import native_api
+    from api import Defaults, Limits, RequestError
+
+    req = native_api.parse({"prompt": "hi", "speculative": value}, Limits(), Defaults())
+    assert req.sampling["speculative"] is value
+    with pytest.raises(RequestError, match="speculative"):
+        native_api.parse({"prompt": "hi", "speculative": "no"}, Limits(), Defaults())
