@@ -69,11 +69,13 @@ class Sequence:
     cached: int = 0  # tokens whose keys and values are in the cache
     # speculative decoding (speculative.py): how many proposed tokens this step may verify
     # (the scheduler reserves their blocks), the proposed tokens, the tokens whose keys
-    # and values a draft model has in its own cache, and its proposals' length limit
+    # and values a draft model has in its own cache, and how much it proposes next
     draft_room: int = 0
     draft: list[int] = field(default_factory=list)
     draft_cached: int = 0
     draft_limit: int = 0  # the most tokens it proposes next step (0: the policy's k)
+    draft_failures: int = 0  # verifications in a row that accepted nothing
+    draft_pause: int = 0  # steps it goes without proposing
 
     @property
     def done(self) -> bool:

@@ -9,7 +9,8 @@ weights once, as a step that makes one does) and keeps as far as the model agree
   with a KV cache of its own addressed by the sequence's block table.
 
 Speculation (the policy) decides which sequences propose this step, and how many tokens:
-one more than the sequence last accepted, up to k; none while more than max_batch
+one more than the sequence last accepted, up to k (none for a while after proposals that
+all failed); none while more than max_batch
 sequences decode (verifying costs more than it saves once the step is no longer
 bound by reading the weights: BENCHMARKS.md, speculative decoding), none for a request
 that opted out, and never past max_gen_len or max_seq_len."""
@@ -19,6 +20,8 @@ import torch
 
 from batch import Batch
 from sequence import Sequence
+
+MAX_PAUSE = 16  # steps a sequence whose proposals keep failing goes without proposing
 
 class NgramProposer:
     def __init__(self, min_n: int = 1, max_n: int = 3):
@@ -94,6 +97,10 @@ class Speculation:
         """Set each decoding sequence's draft_room before the scheduler makes room for it."""
         on = len(decoding) <= self.max_batch
         for seq in decoding:
+            if seq.draft_pause:  # its last proposals all failed: it waits a few steps
+                seq.draft_pause -= 1
+                seq.draft_room = 0
+                continue
             length = len(seq.prompt_tokens) + len(seq.tokens)
             left = min(seq.params.max_gen_len - len(seq.tokens), self.max_seq_len - length) - 1
             seq.draft_room = max(0, min(seq.draft_limit or self.k, left)) if on and seq.params.speculative else 0
@@ -110,9 +117,13 @@ class Speculation:
 
     def record(self, seq: Sequence, accepted: int):
         """After seq verified its proposal: it next proposes one token more than it had
-        accepted (at most k), so that a sequence whose proposals fail verifies few tokens."""
+        accepted (at most k), so that a sequence whose proposals fail verifies few tokens;
+        after proposals that all failed it proposes nothing for 1, 2, 4, ... (at most
+        MAX_PAUSE) steps, as long as they keep failing."""
         self.accepted += accepted
         seq.draft_limit = min(self.k, accepted + 1)
+        seq.draft_failures = 0 if accepted else seq.draft_failures + 1
+        seq.draft_pause = min(MAX_PAUSE, 1 << seq.draft_failures >> 1)
 
     @property
     def mean_accepted(self) -> float:

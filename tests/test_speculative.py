@@ -191,3 +191,29 @@ def test_requests_opt_out_by_field(value):
     assert req.sampling["speculative"] is value
     with pytest.raises(RequestError, match="speculative"):
         native_api.parse({"prompt": "hi", "speculative": "no"}, Limits(), Defaults())
+
+
+def test_failing_proposals_shrink_then_pause():
+    """A sequence proposes one token more than it last accepted (at most k); after
+    verifications that accepted nothing it skips 1, 2, 4, ... steps; one success ends that."""
+    from sequence import Sequence
+
+    spec = Speculation(NgramProposer(), 4, max_batch=8, max_seq_len=256)
+    seq = Sequence([1, 2, 3], SamplingParams(max_gen_len=50), 0, None)
+
+    def rooms(steps):
+        out = []
+        for _ in range(steps):
+            spec.reserve([seq])
+            out.append(seq.draft_room)
+        return out
+
+    assert rooms(1) == [4]
+    spec.record(seq, 2)
+    assert rooms(2) == [3, 3]
+    spec.record(seq, 0)
+    assert rooms(2) == [0, 1]
+    spec.record(seq, 0)
+    assert rooms(3) == [0, 0, 1]
+    spec.record(seq, 1)
+    assert rooms(1) == [2] and spec.accepted == 3
