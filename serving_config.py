@@ -69,9 +69,7 @@ class Speculative:
     max_batch: int = setting(2, "a whole number >= 0", lambda value: whole(value, 0))
 
     def __post_init__(self):
-        for f in fields(self):
-            refuse_unless(f"handler.speculative.{f.name}", getattr(self, f.name), f.metadata["must"],
-                          f.metadata["ok"])
+        refuse_bad_settings(self, "handler.speculative.")
         if self.ngram_max < self.ngram_min:
             raise ValueError(f"handler.speculative.ngram_max must be at least ngram_min {self.ngram_min}, "
                              f"got {self.ngram_max}")
@@ -101,9 +99,7 @@ class ServingConfig:
     speculative: Speculative = field(default_factory=Speculative)
 
     def __post_init__(self):
-        for f in fields(self):
-            if "must" in f.metadata:
-                refuse_unless(f"handler.{f.name}", getattr(self, f.name), f.metadata["must"], f.metadata["ok"])
+        refuse_bad_settings(self, "handler.")
         for name in ("limits", "defaults"):
             section = getattr(self, name)
             for f in fields(section):
@@ -153,6 +149,13 @@ class ServingConfig:
         if self.steps_per_iteration == AUTO:  # overlapped steps hide the round trip; in turn, 4+ amortize it
             steps = (1, 1, 0.0) if overlap else (*IN_TURN_STEPS, IN_TURN_SECONDS)
         return Resolved(budget, overlap, steps)
+
+
+def refuse_bad_settings(settings, prefix: str):
+    """Refuse, by its key, the first of settings' fields made with setting() whose value is bad."""
+    for f in fields(settings):
+        if "must" in f.metadata:
+            refuse_unless(prefix + f.name, getattr(settings, f.name), f.metadata["must"], f.metadata["ok"])
 
 
 def refuse_unless(key: str, value, must: str, ok: Callable[[Any], bool]):

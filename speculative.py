@@ -69,20 +69,20 @@ class DraftProposer:
             tokens = (seq.prompt_tokens + seq.tokens)[seq.draft_cached:]
             batch.add(tokens, seq.draft_cached, seq.table.blocks, size, decode=len(tokens) == 1)
             batch.logits_at.append(len(batch.tokens) - 1)
-        drafts = {id(s): [] for s in seqs}
+        drafts = {s: [] for s in seqs}  # a Sequence hashes by identity
         logits = self.runner.forward_batch(batch)
         while True:
             for seq, token in zip(going, logits.argmax(dim=-1).tolist()):
-                drafts[id(seq)].append(token)
-                seq.draft_cached = len(seq.prompt_tokens) + len(seq.tokens) + len(drafts[id(seq)]) - 1
-            going = [s for s in going if len(drafts[id(s)]) < s.draft_room]
+                drafts[seq].append(token)
+                seq.draft_cached = len(seq.prompt_tokens) + len(seq.tokens) + len(drafts[seq]) - 1
+            going = [s for s in going if len(drafts[s]) < s.draft_room]
             if not going:
                 break
             batch = Batch(tokens=[], positions=[], slots=[])
             for seq in going:
-                batch.add(drafts[id(seq)][-1:], seq.draft_cached, seq.table.blocks, size, decode=True)
+                batch.add(drafts[seq][-1:], seq.draft_cached, seq.table.blocks, size, decode=True)
             logits = self.runner.forward_batch(batch)
-        return [drafts[id(s)] for s in seqs]
+        return [drafts[s] for s in seqs]
 
 
 class Speculation:
