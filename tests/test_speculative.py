@@ -76,9 +76,11 @@ def test_opted_out_and_large_batches_do_not_speculate(llama):
     while engine.running:
         engine.step()
     assert spec.proposed == 0  # two sequences decoding: more than max_batch
-    engine.add(prompt, greedy)
+    seq = engine.add(prompt, greedy)
     while engine.running:
         engine.step()
+        if not seq.done:  # the blocks of rejected proposals went back
+            assert len(seq.table.blocks) == -(-(len(seq.prompt_tokens) + len(seq.tokens)) // 16)
     assert spec.proposed > 0
 
 
