@@ -1,7 +1,8 @@
 """Attention over the paged KV cache by gathering: each sequence's blocks are copied out of
-the pool and attended with scaled_dot_product_attention. The runner builds one
-GatherAttention per forward pass (the metadata, its tensors made once for every layer);
-each layer's Attention hands it its queries, keys and values and its cache (model.py)."""
+the pool and attended with scaled_dot_product_attention (the sdpa backend; flex_attention.py
+reads the blocks in place). The runner builds one GatherAttention per forward pass (the
+metadata, its tensors made once for every layer); each layer's Attention hands it its
+queries, keys and values and its cache (model.py). store and causal serve both backends."""
 
 from dataclasses import dataclass
 
@@ -33,9 +34,9 @@ class GatherAttention:
             key_pos = torch.arange(width * block_size, device=device)
             decode_mask = additive_mask(key_pos <= positions[:batch.n_decode, None], dtype)[:, None, None]
         chunks, start = [], batch.n_decode
-        for length, blocks in batch.chunks:
+        for first, (length, blocks) in zip(batch.chunk_first_positions(), batch.chunks):
             mask = None
-            if batch.positions[start] > 0:  # earlier keys are in the cache: gather them
+            if first > 0:  # earlier keys are in the cache: gather them
                 key_pos = torch.arange(len(blocks) * block_size, device=device)
                 mask = additive_mask(key_pos <= positions[start:start + length, None], dtype)[None, None]
             chunks.append((start, length, torch.tensor(blocks, device=device), mask))
@@ -45,10 +46,8 @@ class GatherAttention:
     def attend(self, xq, xk, xv, cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
         """Store the new keys and values (tokens, kv heads, head_dim) in the cache, then attend
         with the queries (tokens, heads, head_dim) -> (tokens, heads, head_dim)."""
-        n_kv, head_dim = cache_k.shape[0], cache_k.shape[-1]
-        for cache, new in ((cache_k, xk), (cache_v, xv)):
-            cache.view(n_kv, -1, head_dim).index_copy_(1, self.slots, new.transpose(0, 1))
-        gqa = xq.shape[1] != n_kv
+        store(cache_k, cache_v, self.slots, xk, xv)
+        gqa = xq.shape[1] != cache_k.shape[0]
         parts = []
         if self.decode_blocks is not None:
             keys, values = gather(cache_k, cache_v, self.decode_blocks)
@@ -56,16 +55,29 @@ class GatherAttention:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.decode_mask, enable_gqa=gqa)
             parts.append(out.squeeze(2))
         for start, length, blocks, mask in self.chunks:
-            q = xq[start:start + length].transpose(0, 1).unsqueeze(0)
             if mask is None:
-                keys = xk[start:start + length].transpose(0, 1).unsqueeze(0)
-                values = xv[start:start + length].transpose(0, 1).unsqueeze(0)
-                out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
-            else:
-                keys, values = gather(cache_k, cache_v, blocks.unsqueeze(0))
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+                parts.append(causal(xq, xk, xv, start, length))
+                continue
+            q = xq[start:start + length].transpose(0, 1).unsqueeze(0)
+            keys, values = gather(cache_k, cache_v, blocks.unsqueeze(0))
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
             parts.append(out[0].transpose(0, 1))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def store(cache_k: torch.Tensor, cache_v: torch.Tensor, slots: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor):
+    """Write the new keys and values (tokens, kv heads, head_dim) into their cache slots."""
+    n_kv, head_dim = cache_k.shape[0], cache_k.shape[-1]
+    for cache, new in ((cache_k, xk), (cache_v, xv)):
+        cache.view(n_kv, -1, head_dim).index_copy_(1, slots, new.transpose(0, 1))
+
+
+def causal(xq, xk, xv, start: int, length: int) -> torch.Tensor:
+    """A prompt's first chunk (tokens start..start+length of the pass), which attends only to
+    its own keys: no cache to read."""
+    q, k, v = (x[start:start + length].transpose(0, 1).unsqueeze(0) for x in (xq, xk, xv))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=xq.shape[1] != xk.shape[1])
+    return out[0].transpose(0, 1)
 
 
 def gather(cache_k: torch.Tensor, cache_v: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,3 +31,11 @@ class Batch:
             self.decode_blocks.append(used)
         else:
             self.chunks.append((len(tokens), used))
+
+    def chunk_first_positions(self) -> list[int]:
+        """Each chunk's first position in its sequence (0: a prompt's first chunk, with nothing cached)."""
+        firsts, i = [], self.n_decode
+        for length, _ in self.chunks:
+            firsts.append(self.positions[i])
+            i += length
+        return firsts

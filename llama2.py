@@ -41,13 +41,15 @@ def resolve_model_args(model_args: ModelArgs | None, checkpoint_args: dict, toke
 
 def tp_llama(model_args, checkpoint_path, tokenizer_path, world_size, dtype: torch.dtype | None = None,
              max_batch_size: int | None = None, max_seq_len: int | None = None, kv_cache_bytes: int = 0,
-             progress=None, quantization: str | None = None):
+             progress=None, quantization: str | None = None, attention: str = "auto", kv_cache_memory: float = 0.0):
     """Build a Llama sharded over world_size ranks from a Meta or Hugging Face checkpoint
     folder. Each rank reads only its own slices of the (memory-mapped) checkpoint.
     max_batch_size and max_seq_len, when given, size the KV cache instead of model_args;
-    kv_cache_bytes, when given, is the KV cache's size on each rank instead. progress, if
-    given, is called as progress(stage, **figures) at each stage of loading. quantization:
-    None, "int8" or "int4" (quant.py): each rank quantizes its shard as it loads it."""
+    kv_cache_bytes, when given, is the KV cache's size on each rank instead, and
+    kv_cache_memory (on a GPU) its share of the GPU memory left free after loading. progress,
+    if given, is called as progress(stage, **figures) at each stage of loading. quantization:
+    None, "int8" or "int4" (quant.py): each rank quantizes its shard as it loads it.
+    attention: the runner's backend (runner.ATTENTION)."""
     report = progress or (lambda stage, **figures: None)
     device = init_distributed(world_size)
     report("reading checkpoint", path=checkpoint_path)
@@ -61,10 +63,21 @@ def tp_llama(model_args, checkpoint_path, tokenizer_path, world_size, dtype: tor
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_model(args, reader, world_size, device, dtype, quantization, report)
+    if kv_cache_memory:
+        kv_cache_bytes = free_memory_share(device, kv_cache_memory)
     runner = ModelRunner(model, max_batch_size or args.max_batch_size, max_seq_len or args.max_seq_len,
-                         kv_cache_bytes=kv_cache_bytes)
+                         kv_cache_bytes=kv_cache_bytes, attention=attention)
     report("kv cache allocated", bytes=runner.kv_cache_bytes())
     return Llama(model, tokenizer, runner)
+
+
+def free_memory_share(device: torch.device, share: float) -> int:
+    """share (0 to 1) of the memory left free on device's GPU (vLLM's gpu_memory_utilization,
+    of what loading left)."""
+    if device.type != "cuda":
+        raise ValueError(f"kv_cache_memory is a share of a GPU's free memory; on {device.type} give kv_cache_bytes")
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * share)
 
 
 def load_model(args: ModelArgs, reader, world_size: int, device: torch.device, dtype: torch.dtype,

@@ -23,16 +23,17 @@ def load(config: ServingConfig, model_dir: str, batch_size: int, world_size: int
     start = time.perf_counter()
     llama = tp_llama(None, checkpoint, tokenizer, world_size, dtype=config.torch_dtype,
                      max_batch_size=batch_size, max_seq_len=config.max_seq_len, kv_cache_bytes=config.kv_cache_bytes,
-                     progress=progress, quantization=config.quantization_mode)
+                     progress=progress, quantization=config.quantization_mode, attention=config.attention,
+                     kv_cache_memory=config.kv_cache_memory)
     logger.info("loaded %s on %d rank(s) in %.1f s: %s", checkpoint, world_size,
                 time.perf_counter() - start, llama.model.params)
     logger.info("tokenizer %s (%s), chat format %s", llama.tokenizer.path, type(llama.tokenizer).__name__,
                 chat_format.format_name(llama.tokenizer))
     runner = llama.runner
     run = config.resolve(Machine.here(runner.device.type == "cuda", batch_size, world_size))
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MB on this rank), prefix caching %s, %s",
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MB on this rank), prefix caching %s, attention %s, %s",
                 runner.num_blocks, runner.block_size, runner.kv_cache_bytes() / 1e6,
-                "on" if config.prefix_caching else "off", run)
+                "on" if config.prefix_caching else "off", config.attention, run)
     engine = Engine(runner, llama.tokenizer, batch_size, run.max_batched_tokens, config.prefix_caching,
                     threaded=run.overlap, speculation=speculation(config, model_dir, llama, world_size, progress))
     if config.compile:  # on the thread that will run the steps
@@ -58,7 +59,7 @@ def speculation(config: ServingConfig, model_dir: str, llama, world_size: int, p
         path = os.path.join(model_dir, spec.draft)
         draft = tp_llama(None, path, llama.tokenizer.path, world_size, dtype=config.torch_dtype,
                          max_batch_size=runner.max_batch_size, max_seq_len=runner.max_seq_len,
-                         progress=progress, quantization=config.quantization_mode)
+                         progress=progress, quantization=config.quantization_mode, attention=config.attention)
         draft.runner.allocate(num_blocks=runner.num_blocks)
         if draft.runner.vocab_size != runner.vocab_size:
             raise ValueError(f"the draft model {path} has {draft.runner.vocab_size} tokens, the model "

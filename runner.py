@@ -7,18 +7,30 @@ import torch
 
 from attention import GatherAttention
 from batch import Batch
+from flex_attention import FlexAttention
 from model import Transformer
 
 KV_BLOCK_SIZE = 16  # tokens per KV-cache block
+# How a step attends (attention.py, flex_attention.py): gathering each sequence's blocks for
+# scaled_dot_product_attention (sdpa), FlexAttention reading them in place (flex), or auto:
+# flex for a step that would gather at least FLEX_FROM_TOKENS cached tokens, where it
+# measured faster on CPU, and sdpa below, where its fixed cost per call loses (BENCHMARKS.md,
+# attention backends). Auto on CUDA is sdpa until bench/gpu_check.sh has measured flex there.
+ATTENTION = ("auto", "flex", "sdpa")
+FLEX_FROM_TOKENS = 1024
 
 
 class ModelRunner:
     def __init__(self, model: Transformer, max_batch_size: int, max_seq_len: int, num_blocks: int | None = None,
-                 kv_cache_bytes: int = 0):
+                 kv_cache_bytes: int = 0, attention: str = "auto"):
         """model: loaded, on its device. The cache holds num_blocks blocks of block_size tokens
         per layer, or as many as kv_cache_bytes holds on this rank, or by default enough for
-        max_batch_size rows of max_seq_len tokens (what __call__ addresses as rows)."""
+        max_batch_size rows of max_seq_len tokens (what __call__ addresses as rows).
+        attention: the backend, one of ATTENTION."""
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
         self.model = model
+        self.attention = attention
         weight = model.tok_embeddings.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.block_size = KV_BLOCK_SIZE
@@ -55,6 +67,7 @@ class ModelRunner:
             shape = (attn.n_local_kv_heads, num_blocks, self.block_size, attn.head_dim)
             attn.cache_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.cache_v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.pool_blocks = num_blocks
 
     def kv_block_bytes(self) -> int:
         """Bytes of one KV-cache block on this rank, all layers (in the weights' dtype)."""
@@ -74,10 +87,20 @@ class ModelRunner:
         run = self.compiled_decode if self.compiled_decode is not None and not batch.chunks else self.model
         return run(*self.model_inputs(batch), logits_at)
 
-    def model_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, GatherAttention]:
+    def model_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, GatherAttention | FlexAttention]:
         tokens = torch.tensor(batch.tokens, device=self.device)
         positions = torch.tensor(batch.positions, device=self.device)
-        return tokens, positions, GatherAttention.build(batch, positions, self.block_size, self.dtype)
+        return tokens, positions, self.attention_metadata(batch, positions)
+
+    def attention_metadata(self, batch: Batch, positions: torch.Tensor) -> GatherAttention | FlexAttention:
+        """batch's attention metadata, for the backend that self.attention picks for it."""
+        flex = self.attention == "flex"
+        if self.attention == "auto" and self.device.type != "cuda":
+            cached = [blocks for start, (_, blocks) in zip(batch.chunk_first_positions(), batch.chunks) if start > 0]
+            flex = sum(map(len, batch.decode_blocks + cached)) * self.block_size >= FLEX_FROM_TOKENS
+        if flex:
+            return FlexAttention.build(batch, positions, self.block_size, self.pool_blocks)
+        return GatherAttention.build(batch, positions, self.block_size, self.dtype)
 
     @torch.inference_mode()
     def bucketed_decode(self, batch: Batch, rows: int | None = None, width: int | None = None,

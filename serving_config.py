@@ -14,6 +14,7 @@ import torch
 
 import quant
 from api import Defaults, Limits, dataclass_from
+from runner import ATTENTION
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO = "auto"
@@ -87,6 +88,9 @@ class ServingConfig:
     dtype: str = setting(AUTO, f"auto or one of {sorted(DTYPES)}", one_of(AUTO, *DTYPES))
     compile: bool = setting(False, "true or false", flag)
     kv_cache_bytes: int = setting(0, "a whole number >= 0", lambda value: whole(value, 0))
+    # a share of the GPU memory left free after loading, instead of kv_cache_bytes (GPU only)
+    kv_cache_memory: float = setting(0.0, "a number from 0 to 1", lambda value: number(value) and value <= 1)
+    attention: str = setting("auto", "auto, flex or sdpa", one_of(*ATTENTION))
     max_batched_tokens: Auto | int = setting(AUTO, "auto or a whole number >= 0",
                                              lambda value: value == AUTO or whole(value, 0))
     overlap: Auto | bool = setting(AUTO, "auto, true or false", lambda value: value == AUTO or flag(value))
@@ -100,6 +104,8 @@ class ServingConfig:
 
     def __post_init__(self):
         refuse_bad_settings(self, "handler.")
+        if self.kv_cache_memory and self.kv_cache_bytes:
+            raise ValueError("give handler.kv_cache_bytes or handler.kv_cache_memory, not both")
         for name in ("limits", "defaults"):
             section = getattr(self, name)
             for f in fields(section):

@@ -1,12 +1,13 @@
 """The engine workload of test_engine.py, in-process or as one tensor-parallel rank under
 torchrun (tests/torchrun.py):
 
-    engine_worker.py OUT_DIR FOLDER [constrained | speculative]
+    engine_worker.py OUT_DIR FOLDER [constrained | speculative | flex]
 
 runs workload() on FOLDER (loaded with llama2.tp_llama on WORLD_SIZE ranks) once per entry
 of CONFIGS and saves {config: result} to OUT_DIR/rank{r}.pt; with constrained, runs
 constrained() (test_constrained.py's) alone and saves {"constrained": result}; with
-speculative, test_speculative.py's speculated() for each proposer, {method: result}."""
+speculative, test_speculative.py's speculated() for each proposer, {method: result}; with
+flex, workload() for each of FLEX_CONFIGS with FlexAttention (test_attention.py)."""
 
 import os
 import sys
@@ -25,6 +26,7 @@ LONG = "A long prompt: " + " ".join(f"word{i}" for i in range(60))
 N_NEW = 12
 # (prefix caching, max_batched_tokens): chunks of 16 and 64 tokens, and whole prompts
 CONFIGS = [(caching, budget) for caching in (True, False) for budget in (16, 64, 0)]
+FLEX_CONFIGS = [(True, 16), (False, 64), (True, 0)]
 
 
 def workload(llama, caching: bool, budget: int, max_seqs: int = 4) -> dict:
@@ -151,6 +153,9 @@ def main():
         draft = draft_model(folder, world_size)
         draft.allocate(num_blocks=llama.runner.num_blocks)
         result = {"ngram": speculated(llama, NgramProposer()), "draft": speculated(llama, DraftProposer(draft))}
+    elif mode == ["flex"]:
+        llama.runner.attention = "flex"
+        result = {config: workload(llama, *config) for config in FLEX_CONFIGS}
     else:
         result = {config: workload(llama, *config) for config in CONFIGS}
         result["budgeted"] = budgeted(llama, slow=dist.get_rank() == 1)

@@ -35,6 +35,11 @@ def refusal(handler=None, **top) -> str:
     ({"prefix_caching": 1}, "handler.prefix_caching must be true or false, got 1"),
     ({"max_batched_tokens": "64"}, "handler.max_batched_tokens must be auto or a whole number >= 0, got '64'"),
     ({"steps_per_iteration": 0}, "handler.steps_per_iteration must be auto or a whole number >= 1, got 0"),
+    ({"attention": "paged"}, "handler.attention must be auto, flex or sdpa, got 'paged'"),
+    ({"kv_cache_memory": 1.5}, "handler.kv_cache_memory must be a number from 0 to 1, got 1.5"),
+    ({"kv_cache_memory": "90%"}, "handler.kv_cache_memory must be a number from 0 to 1, got '90%'"),
+    ({"kv_cache_memory": 0.9, "kv_cache_bytes": 1 << 20}, "give handler.kv_cache_bytes or handler.kv_cache_memory, "
+                                                         "not both"),
     ({"quantization": "int3"}, "handler.quantization must be none, int8 or int4, got 'int3'"),
     ({"checkpoint": 7}, "handler.checkpoint must be a path, got 7"),
     ({"tokenizer": ""}, "handler.tokenizer must be a path, got ''"),
@@ -51,7 +56,8 @@ def test_a_bad_setting_is_refused_by_its_key(handler, message):
 def test_unknown_keys_are_refused_by_name():
     assert refusal({"overlapp": True, "max_seq_len": 64, "speed": "fast"}) == (
         "unknown keys in the handler section of model-config.yaml: handler.overlapp, handler.speed (the keys are "
-        "checkpoint, tokenizer, max_seq_len, dtype, compile, kv_cache_bytes, max_batched_tokens, overlap, "
+        "checkpoint, tokenizer, max_seq_len, dtype, compile, kv_cache_bytes, kv_cache_memory, attention, "
+        "max_batched_tokens, overlap, "
         "steps_per_iteration, prefix_caching, quantization, limits, defaults, speculative)")
     assert refusal({"limits": {"max_tokens": 9}}) == "handler.limits: unknown keys ['max_tokens']"
 

@@ -119,6 +119,9 @@ def check(config: dict, weights: str | None = None) -> str:
     if positions and max_seq_len > positions:
         raise ValueError(f"handler.max_seq_len {max_seq_len} is beyond the {positions} positions the model "
                          f"in {folder} was made for (config.json max_position_embeddings)")
+    if settings.kv_cache_memory and config.get("deviceType") != "gpu":
+        raise ValueError(f"handler.kv_cache_memory {settings.kv_cache_memory} is a share of a GPU's free memory, "
+                         "and this deployment runs on the CPU: give handler.kv_cache_bytes")
     if config.get("deviceType") == "gpu" and torch.cuda.device_count() < tp:
         raise ValueError(f"TP={tp} needs {tp} GPUs, this machine has {torch.cuda.device_count()}")
     return (f"checked {folder}: {model.n_layers} layers, {model.n_heads} heads, {model.n_kv_heads} KV heads, FFN width "

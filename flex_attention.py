@@ -1,0 +1,138 @@
+"""Attention that reads the paged KV cache in place, with FlexAttention. A layer's pool of
+blocks is one long key sequence (kv heads, blocks * block_size, head_dim); a block mask made
+from the block tables tells each query which blocks to read whole and which one to read
+masked (where its own position falls), so no sequence's keys are copied out, where
+GatherAttention copies them every layer (BENCHMARKS.md, attention backends)."""
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from attention import causal, store
+from batch import Batch
+
+CHUNK_QUERY_BLOCK = 128  # a prefill chunk's queries share a block mask row per this many
+
+# Eager flex_attention is a dense reference that scores the whole pool: always compiled.
+# Inside a compiled model it is traced with the rest.
+compiled_flex = torch.compile(flex_attention, dynamic=True)
+
+
+@dataclass
+class FlexAttention:
+    """A forward pass's attention metadata: one block mask over every decoding row (each a
+    query block of its own), then each prefill chunk's (None for a prompt's first chunk,
+    which attends to its own keys only)."""
+    slots: torch.Tensor  # where each token's keys and values go: block * block_size + offset
+    n_decode: int
+    decode_mask: BlockMask | None
+    chunks: list[tuple[int, int, BlockMask | None]]  # (start, length, mask)
+
+    @classmethod
+    def build(cls, batch: Batch, positions: torch.Tensor, block_size: int, pool_blocks: int) -> "FlexAttention":
+        """The metadata of batch over a pool of pool_blocks blocks per layer."""
+        decode_mask = None
+        if batch.n_decode:
+            # the positions of the rows a tensor of their own: a captured view fails to compile on CPU
+            decode_mask = decode_block_mask(batch.decode_blocks, positions[:batch.n_decode].clone(), block_size,
+                                            pool_blocks)
+        chunks, start = [], batch.n_decode
+        for first, (length, blocks) in zip(batch.chunk_first_positions(), batch.chunks):
+            mask = None
+            if first > 0:
+                mask = chunk_block_mask(blocks, first, length, block_size, pool_blocks, positions.device)
+            chunks.append((start, length, mask))
+            start += length
+        return cls(torch.tensor(batch.slots, device=positions.device), batch.n_decode, decode_mask, chunks)
+
+    def attend(self, xq, xk, xv, cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+        """Store the new keys and values (tokens, kv heads, head_dim) in the cache, then attend
+        with the queries (tokens, heads, head_dim) -> (tokens, heads, head_dim)."""
+        store(cache_k, cache_v, self.slots, xk, xv)
+        n_kv, head_dim = cache_k.shape[0], cache_k.shape[-1]
+        keys, values = (cache.view(1, n_kv, -1, head_dim) for cache in (cache_k, cache_v))
+        gqa = xq.shape[1] != n_kv
+
+        def flex(start: int, length: int, mask: BlockMask) -> torch.Tensor:
+            # scaled here, so that q is a buffer of its own: compiled on CPU, flex cannot take a
+            # view of the rotated heads (a copy is elided)
+            q = xq[start:start + length].transpose(0, 1).unsqueeze(0) * head_dim ** -0.5
+            return compiled_flex(q, keys, values, block_mask=mask, scale=1.0, enable_gqa=gqa)[0].transpose(0, 1)
+
+        parts = [flex(0, self.n_decode, self.decode_mask)] if self.n_decode else []
+        for start, length, mask in self.chunks:
+            parts.append(causal(xq, xk, xv, start, length) if mask is None else flex(start, length, mask))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def decode_block_mask(tables: list[list[int]], positions: torch.Tensor, block_size: int,
+                      pool_blocks: int) -> BlockMask:
+    """Decoding rows as the query blocks of one sequence of queries: row i reads the blocks of
+    tables[i] before its last whole, and its last (which holds its own position) up to that
+    position."""
+    device, rows = positions.device, len(tables)
+    table = blocks_tensor(tables, pool_blocks, device)
+    whole = torch.tensor([len(t) - 1 for t in tables], dtype=torch.int32, device=device)
+    last = blocks_tensor([t[-1:] for t in tables], pool_blocks, device)
+    return BlockMask.from_kv_blocks(
+        torch.ones(1, 1, rows, dtype=torch.int32, device=device), last[None, None], whole[None, None], table[None, None],
+        BLOCK_SIZE=(1, block_size), mask_mod=in_sequence_up_to(logical_blocks(tables, pool_blocks, device),
+                                                               positions, block_size),
+        seq_lengths=(rows, pool_blocks * block_size), compute_q_blocks=False)
+
+
+def chunk_block_mask(blocks: list[int], first: int, length: int, block_size: int, pool_blocks: int,
+                     device: torch.device) -> BlockMask:
+    """A prefill chunk's queries at positions first.. over the sequence's blocks (its block
+    table): each query block reads whole the blocks before its first query, masked the ones
+    its queries fall in."""
+    n_query_blocks = -(-length // CHUNK_QUERY_BLOCK)
+    whole, partial = [], []
+    for i in range(n_query_blocks):
+        lo = first + i * CHUNK_QUERY_BLOCK
+        hi = min(lo + CHUNK_QUERY_BLOCK, first + length) - 1
+        whole.append((lo + 1) // block_size)
+        partial.append(blocks[whole[-1]:hi // block_size + 1])
+    logical = logical_blocks([blocks], pool_blocks, device)
+    return BlockMask.from_kv_blocks(
+        torch.tensor([[list(map(len, partial))]], dtype=torch.int32, device=device),
+        blocks_tensor(partial, pool_blocks, device)[None, None],
+        torch.tensor([[whole]], dtype=torch.int32, device=device),
+        blocks_tensor([blocks] * n_query_blocks, pool_blocks, device)[None, None],
+        BLOCK_SIZE=(CHUNK_QUERY_BLOCK, block_size), mask_mod=in_sequence_up_to(logical, torch.tensor([first], device=device), block_size),
+        seq_lengths=(length, pool_blocks * block_size), compute_q_blocks=False)
+
+
+def in_sequence_up_to(logical: torch.Tensor, positions: torch.Tensor, block_size: int):
+    """The mask of queries over the pool: a query sees a slot if the slot's block is in its
+    sequence (logical[row, block]: the block's place there, or -1) at a position up to its
+    own. positions: each query's (decoding rows, each with a logical row of its own), or one
+    element, the first query's (a prefill chunk: consecutive queries of one sequence). Exact for every slot, not only in the blocks that the
+    block mask lists: eager flex_attention (the reference) evaluates it everywhere."""
+    def seen(place, position, kv):
+        return (place >= 0) & (place * block_size + kv % block_size <= position)
+
+    if len(positions) == 1 and logical.shape[0] == 1:
+        return lambda b, h, q, kv: seen(logical[0, kv // block_size], q + positions[0], kv)
+    return lambda b, h, q, kv: seen(logical[q, kv // block_size], positions[q], kv)
+
+
+def logical_blocks(tables: list[list[int]], pool_blocks: int, device) -> torch.Tensor:
+    """(len(tables), pool_blocks + 1) int32: each block's place in each table, -1 where absent."""
+    index = blocks_tensor(tables, pool_blocks, device, pad=pool_blocks).long()  # padding goes past the pool
+    places = torch.arange(index.shape[1], dtype=torch.int32, device=device).expand_as(index)
+    logical = torch.full((len(tables), pool_blocks + 1), -1, dtype=torch.int32, device=device)
+    logical.scatter_(1, index, places)  # its last column takes the padding: never read
+    torch._dynamo.mark_static(logical, 1)  # a captured size that varies with the keys' fails to compile on CPU
+    return logical
+
+
+def blocks_tensor(rows: list[list[int]], width: int, device, pad: int = 0) -> torch.Tensor:
+    """(len(rows), width) int32: each row's blocks, then pad (a block mask's index rows span
+    the whole pool; entries past a row's count are not read)."""
+    out = torch.full((len(rows), width), pad, dtype=torch.int32)
+    longest = max(map(len, rows))
+    if longest:
+        out[:, :longest] = torch.tensor([r + [pad] * (longest - len(r)) for r in rows], dtype=torch.int32)
+    return out.to(device)

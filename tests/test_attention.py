@@ -1,0 +1,127 @@
+"""The attention backends against each other: FlexAttention reading the paged cache in place
+gives gather + scaled_dot_product_attention's logits (fp32, 1e-4) for first chunks, chunks
+after a cached prefix, shared prefix blocks and decoding rows at their own positions, and
+the engine's greedy tokens with prefix caching, chunked prefill and preemption, at TP 1
+and 2; auto picks flex for the steps that would gather many cached tokens."""
+
+import random
+
+import pytest
+import torch
+
+import llama2
+from attention import GatherAttention
+from batch import Batch
+from conftest import DEMO, TOKENIZER
+from engine_worker import FLEX_CONFIGS, workload
+from flex_attention import FlexAttention
+from runner import FLEX_FROM_TOKENS
+from test_preemption import run as run_on_pool
+from sequence import SamplingParams
+from torchrun import run
+from tp_worker import max_diff
+
+
+def steps(num_blocks: int, block_size: int, vocab: int) -> list[Batch]:
+    """Three passes over three sequences whose blocks lie scattered in the pool: first chunks;
+    a decode and a 201-token chunk after a cached prefix, starting mid-block; two decoding
+    rows of one sequence (as speculation verifies them), another's, and a chunk whose
+    sequence shares the first sequence's first four blocks (a cached prefix)."""
+    order = random.Random(0).sample(range(num_blocks), num_blocks)
+    tables = [order[:26], order[26:29], order[:4] + order[29:31]]
+    rng = random.Random(1)
+
+    def tokens(n):
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    batches = [Batch([], [], []) for _ in range(3)]
+    batches[0].add(tokens(200), 0, tables[0], block_size, decode=False)
+    batches[0].add(tokens(37), 0, tables[1], block_size, decode=False)
+    batches[1].add(tokens(1), 37, tables[1], block_size, decode=True)
+    batches[1].add(tokens(201), 200, tables[0], block_size, decode=False)
+    for row, position in ((0, 401), (1, 38), (1, 39)):
+        batches[2].add(tokens(1), position, tables[row], block_size, decode=True)
+    batches[2].add(tokens(30), 64, tables[2], block_size, decode=False)
+    return batches
+
+
+def test_flex_gives_the_gathered_logits(checkpoints):
+    runner = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1, max_batch_size=4,
+                             max_seq_len=512, attention="sdpa").runner
+    logits = {}
+    for backend in ("sdpa", "flex"):
+        runner.attention = backend
+        runner.attach_cache(runner.num_blocks)  # zeroed
+        logits[backend] = [runner.forward_batch(b) for b in steps(runner.num_blocks, runner.block_size,
+                                                                   runner.vocab_size)]
+    for i, (a, b) in enumerate(zip(logits["sdpa"], logits["flex"])):
+        assert a.shape == b.shape and max_diff(a, b) <= 1e-4, f"pass {i}"
+
+
+def test_auto_picks_flex_for_steps_that_gather_many_tokens(checkpoints):
+    runner = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1, max_batch_size=4,
+                             max_seq_len=1024).runner
+    assert runner.attention == "auto"
+    size = runner.block_size
+
+    def picked(rows: int, context: int, chunk_after: int = 0) -> type:
+        batch = Batch([], [], [])
+        blocks = -(-context // size)
+        for row in range(rows):
+            batch.add([5], context - 1, list(range(row * blocks, (row + 1) * blocks)), size, decode=True)
+        if chunk_after:
+            batch.add([5] * 8, chunk_after, list(range(-(-(chunk_after + 8) // size))), size, decode=False)
+        return type(runner.model_inputs(batch)[2])
+
+    assert picked(1, 64) is GatherAttention
+    assert picked(1, FLEX_FROM_TOKENS) is FlexAttention
+    assert picked(FLEX_FROM_TOKENS // 256, 256) is FlexAttention
+    assert picked(1, 64, chunk_after=FLEX_FROM_TOKENS) is FlexAttention  # a cached prefix is gathered too
+    runner.attention = "sdpa"
+    assert picked(8, 1024) is GatherAttention
+    runner.attention = "flex"
+    assert picked(1, 16) is FlexAttention
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return llama2.tp_llama(None, DEMO, None, 1, max_batch_size=4, max_seq_len=256, attention="sdpa")
+
+
+def test_flex_gives_the_same_greedy_tokens_in_the_engine(demo):
+    """test_engine.py's workload (a shared system prompt, sequences joining and leaving,
+    a long prompt, a repeat served from the prefix cache) in chunks of 16 and 64 tokens and
+    whole: the same tokens and scheduling decisions with either backend."""
+    for caching, budget in FLEX_CONFIGS:
+        results = {}
+        for backend in ("sdpa", "flex"):
+            demo.runner.attention = backend
+            results[backend] = workload(demo, caching, budget)
+        assert results["flex"] == results["sdpa"], (caching, budget)
+    demo.runner.attention = "sdpa"
+
+
+def test_flex_gives_the_same_tokens_under_preemption(demo):
+    tok = demo.tokenizer
+    text = "once upon a time there was a little llama who lived in the hills " * 3
+    prompts = [tok.encode(text, bos=True, eos=False)[:n] for n in (12, 10, 30)]
+    params = [SamplingParams(max_gen_len=n, temperature=t, seed=i, ignore_eos=True)
+              for i, (n, t) in enumerate(((24, 0), (10, 0.8), (4, 0)))]
+    runs = {}
+    demo.runner.allocate(max_seq_len=64)  # a pool of 4 blocks still takes any one sequence
+    for backend in ("sdpa", "flex"):
+        demo.runner.attention = backend
+        engine, seqs, victims = run_on_pool(demo, 4, prompts, params, max_batched_tokens=8)
+        runs[backend] = ([s.tokens for s in seqs], victims)
+    demo.runner.allocate(max_seq_len=256, num_blocks=None)
+    demo.runner.attention = "sdpa"
+    assert runs["flex"] == runs["sdpa"] and len(runs["sdpa"][1]) >= 2  # preempted, alike
+
+
+@pytest.mark.slow
+def test_flex_at_tp2_gives_tp1_tokens(demo, tmp_path):
+    ranks = run("engine_worker.py", 2, tmp_path, DEMO, "flex")
+    demo.runner.attention = "sdpa"
+    expected = {config: workload(demo, *config) for config in FLEX_CONFIGS}
+    for rank in ranks:
+        assert {config: rank[config] for config in FLEX_CONFIGS} == expected
