@@ -1,6 +1,7 @@
-"""Weight-only quantization: int8 linear layers (symmetric, one scale per output channel) and
-int4 ones (one scale and zero per group of input channels), and quantize(), which puts them
-into a sharded Transformer in place, one projection at a time.
+"""Quantized linear layers: weight-only int8 (symmetric, one scale per output channel) and
+int4 (one scale and zero per group of input channels), FP8 (e4m3 weights with one scale per
+output channel, activations quantized per token as they come, for GPUs that multiply FP8),
+and quantize(), which puts them into a sharded Transformer in place, one projection at a time.
 
 The kernels, chosen per device by measurement (bench/decode.py, BENCHMARKS.md):
 - int8 on CPU: aten._weight_int8pack_mm, fed bf16 activations (its fp32 path is a scalar loop).
@@ -8,6 +9,7 @@ The kernels, chosen per device by measurement (bench/decode.py, BENCHMARKS.md):
   reading int8 weights (gpt-fast's way). The scales stay fp32 there: with bf16 scales inductor
   rewrites the expression into _weight_int8pack_mm, whose CUDA kernel is naive.
 - int4: aten._weight_int4pack_mm (CUDA, tinygemm) and _weight_int4pack_mm_for_cpu, bf16 activations.
+- fp8: torch._scaled_mm with row-wise scales (CUDA, compute capability 8.9+ only: refused elsewhere).
 Their weight layouts differ, so a layer is quantized on the device it runs on and stays there.
 """
 
@@ -16,12 +18,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-MODES = ("int8", "int4")
+MODES = ("int8", "int4", "fp8")
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+FP8_CAPABILITY = (8, 9)  # the first CUDA GPUs (Ada, Hopper) that multiply FP8
 INT4_GROUP_SIZE = 32  # divides every Llama-2/3 shard up to TP=8 (Llama-2-7B's w2 at TP=8 is 1376 wide)
 INT4_GROUP_SIZES = (32, 64, 128)
 # The output projection is quantized in int8 in both modes: it costs no perplexity and reads a quarter
 # of its fp32 bytes (docs/quantization.md, the output projection).
-OUTPUT_MODE = {"int8": "int8", "int4": "int8"}
+OUTPUT_MODE = {"int8": "int8", "int4": "int8", "fp8": "fp8"}
 ROW_PARALLEL = ("attention.wo", "feed_forward.w2")  # their shards hold part of each row
 
 
@@ -37,6 +41,17 @@ def int8_quantize(w: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tens
     scales = torch.where(absmax > 0, absmax / 127, 1.0).to(torch.bfloat16)
     q = torch.div(w, scales.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
     return q, scales
+
+
+def fp8_quantize(w: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [out, in], scales fp32 [out]) with w ≈ q * scales[:, None]; group as
+    in int8_quantize."""
+    lo, hi = w.aminmax(dim=1)
+    absmax = torch.maximum(-lo, hi).float()
+    if group is not None:
+        dist.all_reduce(absmax, op=dist.ReduceOp.MAX, group=group)
+    scales = torch.where(absmax > 0, absmax / FP8_MAX, 1.0)
+    return torch.div(w, scales[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
 
 
 def int4_quantize(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,9 +117,48 @@ class Int4Linear(nn.Module):
         return self.forward(eye).float().t()
 
 
+class Fp8Linear(nn.Module):
+    """FP8 weights; each call quantizes its activations with one scale per token, and
+    torch._scaled_mm multiplies the two with their scales into the activations' dtype."""
+
+    def __init__(self, weight: torch.Tensor, group=None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        q, scales = fp8_quantize(weight, group)
+        self.register_buffer("weight", q)
+        self.register_buffer("scales", scales[None, :])  # (1, out): row-wise scales of the output columns
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        x_scales = x2.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-12) / FP8_MAX
+        xq = (x2 / x_scales).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        out = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scales, scale_b=self.scales, out_dtype=x.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float() * self.scales.t()
+
+
 def quantized(linear: nn.Linear, mode: str, group_size: int = INT4_GROUP_SIZE, group=None) -> nn.Module:
     """group: see int8_quantize (int4's groups never straddle two ranks: check() sees to it)."""
-    return Int8Linear(linear.weight, group) if mode == "int8" else Int4Linear(linear.weight, group_size)
+    if mode == "int4":
+        return Int4Linear(linear.weight, group_size)
+    return (Int8Linear if mode == "int8" else Fp8Linear)(linear.weight, group)
+
+
+def check_device(mode: str, device: torch.device):
+    """Refuse a mode that device cannot run, with the reason: fp8 needs a CUDA GPU of compute
+    capability 8.9 or newer."""
+    if mode != "fp8":
+        return
+    if device.type != "cuda":
+        raise ValueError(f"fp8 quantization needs a CUDA GPU of compute capability {FP8_CAPABILITY[0]}."
+                         f"{FP8_CAPABILITY[1]}+ (torch._scaled_mm); this rank runs on {device.type}: use int8 or int4")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_CAPABILITY:
+        raise ValueError(f"fp8 quantization needs compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]}+ "
+                         f"(torch._scaled_mm); {torch.cuda.get_device_name(device)} has "
+                         f"{capability[0]}.{capability[1]}: use int8 or int4")
 
 
 def projections(model: nn.Module, mode: str) -> dict[str, str]:
@@ -167,6 +221,7 @@ def load_quantized(model: nn.Module, reader, plan: dict, device: torch.device, m
     (tp.weight_plan), quantizing each projection as soon as it is read: the peak is the
     quantized model plus one projection in full precision (and the reader's temporaries).
     Returns the bytes read; progress, if given, is called with the bytes read so far."""
+    check_device(mode, device)
     read = 0
 
     def fill(name: str, module: nn.Module):

@@ -17,7 +17,7 @@ KV_BLOCK_SIZE = 16  # tokens per KV-cache block
 # measured faster on CPU, and sdpa below, where its fixed cost per call loses (BENCHMARKS.md,
 # attention backends). Auto on CUDA is sdpa until bench/gpu_check.sh has measured flex there.
 ATTENTION = ("auto", "flex", "sdpa")
-FLEX_FROM_TOKENS = 1024
+FLEX_FROM_TOKENS = 2048
 
 
 class ModelRunner:

@@ -97,7 +97,8 @@ class ServingConfig:
     steps_per_iteration: Auto | int = setting(AUTO, "auto or a whole number >= 1",
                                               lambda value: value == AUTO or whole(value, 1))
     prefix_caching: bool = setting(True, "true or false", flag)
-    quantization: str = setting("none", f"none, {' or '.join(quant.MODES)}", one_of("none", *quant.MODES))
+    quantization: str = setting("none", f"none, {', '.join(quant.MODES[:-1])} or {quant.MODES[-1]}",
+                                one_of("none", *quant.MODES))
     limits: Limits = field(default_factory=Limits)
     defaults: Defaults = field(default_factory=Defaults)
     speculative: Speculative = field(default_factory=Speculative)

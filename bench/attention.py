@@ -87,7 +87,7 @@ def main():
         for key in runs:
             runs[key].append(step_ms(*key))
             print(f"round {r + 1}", key, runs[key][-1], flush=True)
-    lines = [report.header(), "",
+    lines = ["## Attention backends: FlexAttention in place against gather + SDPA", "", report.header(), "",
              f"One decode step of the whole model (26M shape: dim {DIM}, {LAYERS} layers, {HEADS} heads, "
              f"vocabulary {VOCAB}; fp32, 1 thread), ms, median of {a.rounds} rounds (each a fresh process's "
              f"fastest median of 3 x {STEPS} steps); a speed-up is sdpa's time over the backend's (> 1: faster).", "",
@@ -99,7 +99,7 @@ def main():
             sdpa, flex, auto = (statistics.median(run[case] for run in runs[(b, mode)]) for b in BACKENDS)
             lines.append(f"| {rows} x {context:,} | {mode} | {sdpa:.2f} | {flex:.2f} | {auto:.2f} | "
                          f"{sdpa / flex:.2f}x | {sdpa / auto:.2f}x |")
-    report.publish("attention backends", "\n".join(lines), write=not a.no_write)
+    report.publish("attention", "\n".join(lines), write=not a.no_write)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,11 @@
     python bench/gpu_check.py graphs [--cpu-dry-run]
     python bench/gpu_check.py speed [--quant none|int8|int4] [--modes eager compiled graphs] [--cpu-dry-run]
     python bench/gpu_check.py serve [--cpu-dry-run]
+    python bench/gpu_check.py attention [--cpu-dry-run]
 
 parity  a small random GQA Llama (tools/make_checkpoint.py) loaded by llama2.tp_llama on the GPU,
-        in fp32, bf16, and bf16 with int8 and int4 weights (quant.py's CUDA kernels), against
+        in fp32, bf16, and bf16 with int8, int4 and fp8 weights (quant.py's CUDA kernels; fp8
+        where the GPU multiplies it, compute capability 8.9+), against
         transformers' LlamaForCausalLM in fp32 on the CPU (the reference of the tests; for int8
         and int4, with its weights quantized and dequantized by the same math): the logits of one
         forward pass, of prefill + chunk + single-token steps, and of rows at different positions
@@ -20,6 +22,9 @@ speed   decode tokens/s of a random bf16 model of Llama-2-7B's shapes with 8 of 
         generate.generate and as raw decode steps, against the HBM roofline (bytes of weights
         per step / 4.8 TB/s): eager, after compile_decode(), and after
         compile_decode(cuda_graphs=True) (--modes picks), each compile timed.
+attention  the speed part's model (its bf16 weights) at batch 1 and 8 with contexts of 4k and
+        16k tokens: one decode step with each attention backend (runner.ATTENTION: flex reads
+        the paged cache in place, sdpa gathers it), and their logits' agreement.
 serve   TorchServe on the GPU with TP=1 (tools/local_server.py, deviceType gpu) serving a small
         checkpoint; one greedy request must equal the same model run in this process.
 
@@ -40,8 +45,7 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for path in (ROOT, os.path.join(ROOT, "tools"), os.path.join(ROOT, "tests"), os.path.join(ROOT, "bench")):
-    sys.path.insert(0, path)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tools"), os.path.join(ROOT, "tests"), os.path.join(ROOT, "bench")]  # ROOT's first
 import generate  # noqa: E402
 import llama2  # noqa: E402
 import quant  # noqa: E402
@@ -55,6 +59,9 @@ HBM_BYTES_PER_S = 4.8e12  # H200 datasheet
 # (oneDNN, --cpu-dry-run) this model's bf16 logits are off by up to 5% of their spread, and a
 # wrong head layout or rotation would put them off by about 100%.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.15}
+# fp8 quantizes the activations as well (per token, e4m3: about 2% of a layer's output each,
+# tests/test_quant.py): a looser bound, still far below a wrong layout's 100%.
+FP8_TOLERANCE = 0.3
 
 
 def device_for(dry: bool) -> torch.device:
@@ -87,8 +94,8 @@ def fake_quantized(hf, mode: str):
             if isinstance(m, torch.nn.Linear):
                 how = quant.OUTPUT_MODE[mode] if name == "lm_head" else mode
                 w = m.weight.bfloat16()
-                if how == "int8":
-                    q, scales = quant.int8_quantize(w)
+                if how in ("int8", "fp8"):
+                    q, scales = (quant.int8_quantize if how == "int8" else quant.fp8_quantize)(w)
                     m.weight.copy_(q.float() * scales.float()[:, None])
                 else:
                     q, sz = quant.int4_quantize(w, quant.INT4_GROUP_SIZE)
@@ -108,7 +115,9 @@ def parity(dry: bool) -> bool:
         tokens = fixed_tokens(hf.config.vocab_size)
         runs = [(dtype, None) for dtype in TOLERANCE] + [(torch.bfloat16, mode) for mode in quant.MODES]
         for dtype, mode in runs:
-            tol = TOLERANCE[dtype]
+            if mode == "fp8" and not fp8_here(device):
+                continue
+            tol = FP8_TOLERANCE if mode == "fp8" else TOLERANCE[dtype]
             with torch.no_grad():
                 ref = (fake_quantized(hf, mode) if mode else hf)(tokens).logits.float()
             scale = ref.std().item()
@@ -133,6 +142,16 @@ def parity(dry: bool) -> bool:
                       f"{int(agree[clear].sum())}/{int(clear.sum())} with a clear lead  {'ok' if good else 'FAIL'}")
             del model
     return ok
+
+
+def fp8_here(device: torch.device) -> bool:
+    """Whether device runs quant.py's fp8 (else says why)."""
+    try:
+        quant.check_device("fp8", device)
+        return True
+    except ValueError as e:
+        print(f"fp8 skipped: {e}")
+        return False
 
 
 # --- graphs -----------------------------------------------------------------------------
@@ -213,14 +232,22 @@ def copy_bandwidth(device) -> float:
     return 2 * src.numel() * 4 / statistics.median(times) / 1e9
 
 
-def speed(dry: bool, quantization: str, modes: list[str]) -> bool:
+def speed_model_args(dry: bool, max_seq_len: int) -> llama2.ModelArgs:
+    if dry:
+        return llama2.ModelArgs(dim=256, n_layers=2, n_heads=8, vocab_size=2048, max_batch_size=8,
+                                max_seq_len=max_seq_len)
+    # Llama-2-7B's shapes, 8 of its 32 layers: 1.9B parameters, 3.8 GB in bf16
+    return llama2.ModelArgs(dim=4096, n_layers=8, n_heads=32, vocab_size=32000, multiple_of=256, max_batch_size=8,
+                            max_seq_len=max_seq_len)
+
+
+def speed(dry: bool, quantization: str, modes: list[str]) -> bool | None:
     device = device_for(dry)
     reps, steps = (1, 8) if dry else (3, 64)  # the dry run checks the script, not the speed
-    if dry:
-        args = llama2.ModelArgs(dim=256, n_layers=2, n_heads=8, vocab_size=2048, max_batch_size=8, max_seq_len=128)
-    else:  # Llama-2-7B's shapes, 8 of its 32 layers: 1.9B parameters, 3.8 GB in bf16
-        args = llama2.ModelArgs(dim=4096, n_layers=8, n_heads=32, vocab_size=32000, multiple_of=256,
-                                max_batch_size=8, max_seq_len=128)
+    args = speed_model_args(dry, 128)
+    if quantization == "fp8" and not fp8_here(device):
+        print("SKIP: fp8 needs a GPU of compute capability 8.9+")
+        return None
     runner = random_model(args, device, torch.float32 if dry else torch.bfloat16)
     if quantization != "none":
         start = time.perf_counter()
@@ -244,6 +271,38 @@ def speed(dry: bool, quantization: str, modes: list[str]) -> bool:
                   f"({batch * 1e3 / step:,.0f} tokens/s); roofline {roof:,.0f} tokens/s: generate at "
                   f"{100 * tps / roof:.0f}%, step at {100 * batch * 1e3 / step / roof:.0f}%")
     return True
+
+
+# --- attention --------------------------------------------------------------------------
+
+def attention(dry: bool) -> bool:
+    device = device_for(dry)
+    dtype = torch.float32 if dry else torch.bfloat16
+    contexts = (256, 1024) if dry else (4096, 16384)
+    runner = random_model(speed_model_args(dry, contexts[-1]), device, dtype)
+    tol, ok = TOLERANCE[dtype], True
+    for context in contexts:
+        for rows in (1, 8):  # each row at the end of a context-long sequence (the cache holds junk)
+            tokens = torch.randint(3, runner.vocab_size, (rows, 1), device=device)
+            logits, ms = {}, {}
+            for backend in ("sdpa", "flex"):
+                runner.attention = backend
+                logits[backend] = runner(tokens, context - 1).float()  # flex: compiled here
+                times = []
+                for _ in range(3 if dry else 20):
+                    sync(device)
+                    start = time.perf_counter()
+                    runner(tokens, context - 1)
+                    sync(device)
+                    times.append(time.perf_counter() - start)
+                ms[backend] = statistics.median(times) * 1e3
+            err = (logits["flex"] - logits["sdpa"]).abs().max().item() / logits["sdpa"].std().item()
+            good = err <= tol
+            ok &= good
+            print(f"{device.type} {str(dtype)[6:]} batch {rows}, context {context:,}: decode step sdpa {ms['sdpa']:.2f} "
+                  f"ms, flex {ms['flex']:.2f} ms (flex {ms['sdpa'] / ms['flex']:.2f}x); max |Δ| / std = {err:.1e} "
+                  f"(tolerance {tol:g})  {'ok' if good else 'FAIL'}")
+    return ok
 
 
 # --- serve ------------------------------------------------------------------------------
@@ -285,7 +344,7 @@ def serve(dry: bool) -> bool | None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=["parity", "graphs", "speed", "serve"])
+    ap.add_argument("part", choices=["parity", "graphs", "speed", "serve", "attention"])
     ap.add_argument("--quant", choices=["none", *quant.MODES], default="none", help="speed: the weights' quantization")
     ap.add_argument("--modes", nargs="+", choices=["eager", "compiled", "graphs"], default=["eager", "compiled", "graphs"],
                     help="speed: eager, after compile_decode(), after compile_decode(cuda_graphs=True)")
@@ -295,7 +354,7 @@ def main():
     # gpu_check.sh's timeout sends SIGTERM: unwind, so that serve's finally stops TorchServe
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("FAIL: stopped by the time limit"))
     ok = {"parity": lambda: parity(dry), "graphs": lambda: graphs(dry), "speed": lambda: speed(dry, a.quant, a.modes),
-          "serve": lambda: serve(dry)}[a.part]()
+          "serve": lambda: serve(dry), "attention": lambda: attention(dry)}[a.part]()
     if ok is None:
         return
     print("PASS" if ok else "FAIL")

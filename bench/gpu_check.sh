@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # A prepared check for a machine with one NVIDIA H200 (run once, BENCHMARKS.md has its figures).
 #
-#   bench/gpu_check.sh                 # on the GPU machine: at most 8 minutes, no network
+#   bench/gpu_check.sh                 # on the GPU machine: at most 9.5 minutes, no network
 #   bench/gpu_check.sh --cpu-dry-run   # here: every part on the CPU with small shapes
 #
 # Parts (bench/gpu_check.py), each under its own timeout, each ending in PASS, FAIL or SKIP:
-#   parity          the GPU's fp32, bf16, bf16+int8 and bf16+int4 logits against the fp32 CPU reference
-#                   (transformers; for int8/int4 with its weights quantized by the same math)
+#   parity          the GPU's fp32, bf16, bf16+int8, bf16+int4 and bf16+fp8 (8.9+) logits against the fp32
+#                   CPU reference (transformers; for int8/int4/fp8 with its weights quantized by the same math)
 #   graphs          compile_decode(cuda_graphs=True), bf16 and int8: CUDA-graph replays give the eager logits
 #   serve           TorchServe with TP=1 on the GPU answers a request as the model does in-process
-#   speed_none, speed_int8, speed_int4
+#   speed_none, speed_int8, speed_int4, speed_fp8
 #                   a random bf16 model of Llama-2-7B's shapes with 8 of its 32 layers, weights as named:
 #                   decode tokens/s at batch 1 and 8 against the HBM roofline (weight bytes / 4.8 TB/s),
-#                   eager and after compile_decode(cuda_graphs=True) for bf16, eager for int8 and int4
+#                   eager and after compile_decode(cuda_graphs=True) for bf16, with graphs for int8
+#                   (against bf16's), eager for int4 and fp8
+#   attention       that model in bf16 at batch 1 and 8, contexts of 4k and 16k tokens: a decode step
+#                   with flex (FlexAttention in place) and with sdpa (gather), and their logits
 # Environment: PY (the Python; default python3, or .venv/bin/python for the dry run), WHEELS (a
 # folder of wheels; when it exists, the requirements but torch are installed from it first, with
 # pip --no-index: the machine's own CUDA torch stays), LOG_DIR (where each part's log goes;
@@ -60,20 +63,22 @@ part() {  # part NAME SECONDS ARGS...: run one part, keep its log and its last w
 }
 
 # Limits from the H200 run of 2026-11-30 (BENCHMARKS.md): compile_decode took 44 s, and
-# compile_decode(cuda_graphs=True), with its buckets captured, 61-85 s. To stay within 8
-# minutes the speed parts measure bf16 eager and with graphs, int8 and int4 eager (their
-# graphs' logits are checked by the graphs part, int8; `gpu_check.py speed --quant int4
-# --modes graphs` times them, about 2 minutes each).
+# compile_decode(cuda_graphs=True), with its buckets captured, 61-85 s. To stay within about
+# 9.5 minutes the speed parts measure bf16 eager and with graphs, int8 with graphs (what it
+# must beat bf16 by), int4 and fp8 eager (`gpu_check.py speed --quant int4 --modes graphs`
+# times the others, about 2 minutes each).
 part parity 45 parity
 part graphs 120 graphs
 part serve 30 serve
 part speed_none 120 speed --quant none --modes eager graphs
-part speed_int8 80 speed --quant int8 --modes eager
-part speed_int4 80 speed --quant int4 --modes eager
+part speed_int8 100 speed --quant int8 --modes graphs
+part speed_int4 50 speed --quant int4 --modes eager
+part speed_fp8 50 speed --quant fp8 --modes eager
+part attention 60 attention
 
 echo "=== summary ($((SECONDS - START)) s; logs in $LOG_DIR)"
 status=0
-for name in parity graphs serve speed_none speed_int8 speed_int4; do
+for name in parity graphs serve speed_none speed_int8 speed_int4 speed_fp8 attention; do
   echo "$name: ${RESULT[$name]}"
   [[ "${RESULT[$name]}" == FAIL* ]] && status=1
 done

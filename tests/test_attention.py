@@ -7,7 +7,6 @@ and 2; auto picks flex for the steps that would gather many cached tokens."""
 import random
 
 import pytest
-import torch
 
 import llama2
 from attention import GatherAttention

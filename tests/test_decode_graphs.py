@@ -1,6 +1,7 @@
 """ModelRunner.compile_decode(cuda_graphs=True) on CPU: the bucketed decode steps that CUDA
 graphs replay on a GPU (rows padded to a rows bucket with rows that touch only a scratch
-block, block tables padded to a blocks bucket) give the eager logits, never recompile once
+block, block tables padded to a blocks bucket) give the eager logits, with either attention
+backend (FlexAttention's block masks made from the padded tables), never recompile once
 compile_decode returns, and leave the cache rows outside the batch as they were. No GPU here: the capture itself is
 checked by bench/gpu_check.sh (part graphs)."""
 
@@ -37,10 +38,15 @@ def decode(model) -> list[torch.Tensor]:
     return outs
 
 
-def test_bucketed_graph_steps_equal_eager(checkpoints):
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_bucketed_graph_steps_equal_eager(checkpoints, attention):
+    """Eager with gather + SDPA, the reference, against the padded steps compiled with each
+    attention backend."""
     model = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1, max_batch_size=MAX_BATCH,
-                            max_seq_len=MAX_SEQ_LEN).runner
+                            max_seq_len=MAX_SEQ_LEN, attention="sdpa").runner
     eager = decode(model)
+    torch._dynamo.reset()  # one compiled model per process (runner.compile_decode)
+    model.attention = attention
     model.compile_decode(cuda_graphs=True)
     assert model.decode_buckets == ([1, 2, 4, 8], [4, 5])  # rows; blocks of 16 tokens
     with torch._dynamo.config.patch(error_on_recompile=True):

@@ -88,22 +88,36 @@ def test_int4_quantize_matches_a_plain_reference(group_size):
     assert ours[2].abs().max() < 1e-4  # the zero row stays zero
 
 
+def test_fp8_quantize_rounds_each_weight_to_e4m3():
+    """One scale per row (its largest weight maps to e4m3's 448); each weight is off by at most
+    half a step of e4m3's 3-bit mantissa (1/16 of it), or of its smallest subnormal step."""
+    w = weight(48, 128)
+    q, scales = quant.fp8_quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and scales.shape == (48,)
+    absmax = w.abs().amax(dim=1)
+    torch.testing.assert_close(scales, torch.where(absmax > 0, absmax / 448, 1.0))  # a zero row keeps scale 1
+    deq = q.float() * scales[:, None]
+    assert ((deq - w).abs() <= w.abs() / 16 + scales[:, None] * 2.0 ** -10).all()
+
+
 @pytest.mark.parametrize("mode", quant.MODES)
 def test_linear_layers_compute_with_their_dequantized_weights(mode):
-    """Each kernel (CPU: _weight_int8pack_mm, _weight_int4pack_mm_for_cpu, on bf16 activations)
-    against F.linear with the dequantized weights, for fp32 and bf16 inputs of any leading shape."""
+    """Each kernel (CPU: _weight_int8pack_mm, _weight_int4pack_mm_for_cpu, on bf16 activations;
+    _scaled_mm for fp8, its activations quantized per token) against F.linear with the
+    dequantized weights, for fp32 and bf16 inputs of any leading shape."""
     w = weight(48, 128)
-    layer = quant.Int8Linear(w) if mode == "int8" else quant.Int4Linear(w, 32)
+    layer = {"int8": quant.Int8Linear, "int4": lambda w: quant.Int4Linear(w, 32), "fp8": quant.Fp8Linear}[mode](w)
     if mode == "int4":  # dequantize() reads the packed weights back through the kernel
         torch.testing.assert_close(layer.dequantize(), plain_int4_dequantized(w, 32), rtol=1e-2, atol=1e-3)
     deq = layer.dequantize()
-    assert (deq - w).abs().max() < (0.02 if mode == "int8" else 0.15)
+    assert (deq - w).abs().max() < {"int8": 0.02, "int4": 0.15, "fp8": 0.25}[mode]
     x = torch.randn(2, 3, 128, generator=torch.Generator().manual_seed(1))
     for dtype in (torch.float32, torch.bfloat16):
         out = layer(x.to(dtype))
         assert out.dtype == dtype and out.shape == (2, 3, 48)
         expected = F.linear(x.bfloat16().float(), deq)
-        torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+        atol = (4e-2 if mode == "fp8" else 2e-2) * expected.abs().max().item()  # fp8: its activations too
+        torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=atol)
 
 
 # --- loading -----------------------------------------------------------------------------
@@ -114,8 +128,14 @@ def load_demo(quantization=None, max_seq_len=WINDOW, max_batch_size=1):
 
 
 def test_unknown_mode_is_refused():
-    with pytest.raises(ValueError, match=r"quantization must be one of none, int8, int4; got 'int3'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of none, int8, int4, fp8; got 'int3'"):
         load_demo("int3")
+
+
+def test_fp8_is_refused_off_a_gpu_that_multiplies_fp8():
+    with pytest.raises(ValueError, match=r"fp8 quantization needs a CUDA GPU of compute capability 8\.9\+ "
+                                         r"\(torch._scaled_mm\); this rank runs on cpu: use int8 or int4"):
+        load_demo("fp8")
 
 
 def test_int4_refuses_shards_that_its_groups_do_not_divide():
@@ -135,7 +155,7 @@ def test_int4_refuses_shards_that_its_groups_do_not_divide():
         quant.check(model, "int4", group_size=64)
 
 
-@pytest.mark.parametrize("mode", quant.MODES)
+@pytest.mark.parametrize("mode", ["int8", "int4"])  # fp8 loads on GPUs only
 def test_loading_quantizes_one_projection_at_a_time(monkeypatch, mode):
     """tp_llama(quantization=...) reads and quantizes module by module: whenever a projection
     is quantized, it is the only one in full precision. The result equals quantizing the
@@ -282,5 +302,5 @@ def test_handler_refuses_an_unknown_quantization():
 
     ctx = types.SimpleNamespace(model_yaml_config={"continuousBatching": True, "handler": {"quantization": "int3"}},
                                 system_properties={"model_dir": DEMO})
-    with pytest.raises(ValueError, match=r"handler.quantization must be none, int8 or int4, got 'int3'"):
+    with pytest.raises(ValueError, match=r"handler.quantization must be none, int8, int4 or fp8, got 'int3'"):
         handler.LlamaHandler().initialize(ctx)

@@ -40,7 +40,7 @@ def refusal(handler=None, **top) -> str:
     ({"kv_cache_memory": "90%"}, "handler.kv_cache_memory must be a number from 0 to 1, got '90%'"),
     ({"kv_cache_memory": 0.9, "kv_cache_bytes": 1 << 20}, "give handler.kv_cache_bytes or handler.kv_cache_memory, "
                                                          "not both"),
-    ({"quantization": "int3"}, "handler.quantization must be none, int8 or int4, got 'int3'"),
+    ({"quantization": "int3"}, "handler.quantization must be none, int8, int4 or fp8, got 'int3'"),
     ({"checkpoint": 7}, "handler.checkpoint must be a path, got 7"),
     ({"tokenizer": ""}, "handler.tokenizer must be a path, got ''"),
     ({"limits": {"max_prompts": "abc"}}, "handler.limits.max_prompts must be a whole number >= 0, got 'abc'"),

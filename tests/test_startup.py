@@ -34,6 +34,9 @@ BAD_SETTINGS = {
     "unknown key": ("handler.overlapp=true", ["unknown keys in the handler section of model-config.yaml: "
                                               "handler.overlapp (the keys are checkpoint,"]),
     "wrong type": ("handler.max_seq_len=abc", ["handler.max_seq_len must be a whole number >= 1, got 'abc'"]),
+    "fp8 on cpu": ("handler.quantization=fp8", ["fp8 quantization needs a CUDA GPU", "runs on cpu"]),
+    "kv share on cpu": ("handler.kv_cache_memory=0.9", ["handler.kv_cache_memory 0.9 is a share of a GPU's free "
+                                                        "memory", "runs on the CPU"]),
 }
 
 

@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import chat_format  # noqa: E402
 import checkpoint  # noqa: E402
+import quant  # noqa: E402
 from model import ModelArgs  # noqa: E402
 from serving_config import ServingConfig  # noqa: E402
 from tokenizer import Tokenizer, tokenizer_file  # noqa: E402
@@ -119,6 +120,8 @@ def check(config: dict, weights: str | None = None) -> str:
     if positions and max_seq_len > positions:
         raise ValueError(f"handler.max_seq_len {max_seq_len} is beyond the {positions} positions the model "
                          f"in {folder} was made for (config.json max_position_embeddings)")
+    if settings.quantization_mode:
+        quant.check_device(settings.quantization_mode, torch.device("cuda" if config.get("deviceType") == "gpu" else "cpu"))
     if settings.kv_cache_memory and config.get("deviceType") != "gpu":
         raise ValueError(f"handler.kv_cache_memory {settings.kv_cache_memory} is a share of a GPU's free memory, "
                          "and this deployment runs on the CPU: give handler.kv_cache_bytes")
@@ -156,7 +159,7 @@ def main():
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="any other setting, e.g. handler.max_seq_len=4096 (repeatable)")
     ap.add_argument("--device", choices=["cpu", "gpu", "auto"], default="auto")
-    ap.add_argument("--quant", choices=["none", "int8", "int4"], help="handler.quantization")
+    ap.add_argument("--quant", choices=["none", *quant.MODES], help="handler.quantization")
     a = ap.parse_args()
     device = a.device
     if device == "auto":
