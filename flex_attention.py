@@ -34,9 +34,10 @@ class FlexAttention:
         """The metadata of batch over a pool of pool_blocks blocks per layer."""
         decode_mask = None
         if batch.n_decode:
-            # the positions of the rows a tensor of their own: a captured view fails to compile on CPU
-            decode_mask = decode_block_mask(batch.decode_blocks, positions[:batch.n_decode].clone(), block_size,
-                                            pool_blocks)
+            # each table up to its row's position (the runner pads tables for CUDA graphs), and
+            # the rows' positions a tensor of their own: a captured view fails to compile on CPU
+            tables = [t[:p // block_size + 1] for t, p in zip(batch.decode_blocks, batch.positions)]
+            decode_mask = decode_block_mask(tables, positions[:batch.n_decode].clone(), block_size, pool_blocks)
         chunks, start = [], batch.n_decode
         for first, (length, blocks) in zip(batch.chunk_first_positions(), batch.chunks):
             mask = None

@@ -161,15 +161,20 @@ class ModelRunner:
                     self.bucketed_decode(nothing, rows, width, position)
 
     def warm_up(self):
-        """A prefill (eager), then compiled decode steps of each kind; cache rows 0 and 1 get junk."""
+        """A prefill (eager), then compiled decode steps of each kind, with each backend that
+        auto may pick, flex first: its first graph compiled for several rows after sdpa's,
+        inductor's CPU flex template failed to compile (torch 2.13); cache rows 0 and 1 get junk."""
         rows = min(2, self.max_batch_size, self.num_blocks // self.row_blocks)  # a small cache may hold one
         length = min(self.block_size + 2, self.max_seq_len - 1)
         tokens = torch.zeros(rows, length, dtype=torch.long, device=self.device)
-        self(tokens, 0)
-        for pos in (1, length):
-            self(tokens[:1, :1], pos)
-            if rows > 1:
-                self(tokens[:, :1], [pos, pos - 1])
+        chosen = self.attention
+        for self.attention in ("flex", "sdpa") if chosen == "auto" else (chosen,):
+            self(tokens, 0)
+            for pos in (1, length):
+                self(tokens[:1, :1], pos)
+                if rows > 1:
+                    self(tokens[:, :1], [pos, pos - 1])
+        self.attention = chosen
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, start_pos, slot: int = 0) -> torch.Tensor:

@@ -115,14 +115,19 @@ def parity(dry: bool) -> bool:
         tokens = fixed_tokens(hf.config.vocab_size)
         runs = [(dtype, None) for dtype in TOLERANCE] + [(torch.bfloat16, mode) for mode in quant.MODES]
         for dtype, mode in runs:
-            if mode == "fp8" and not fp8_here(device):
+            # the dry run quantizes fp8 after loading, which refuses it off a GPU that multiplies FP8
+            late_fp8 = mode == "fp8" and not fp8_here(device)
+            if late_fp8 and not dry:
                 continue
             tol = FP8_TOLERANCE if mode == "fp8" else TOLERANCE[dtype]
             with torch.no_grad():
                 ref = (fake_quantized(hf, mode) if mode else hf)(tokens).logits.float()
             scale = ref.std().item()
             model = llama2.tp_llama(None, folder, TOKENIZER, 1, dtype=dtype, max_batch_size=4, max_seq_len=64,
-                                    quantization=mode).runner
+                                    quantization=None if late_fp8 else mode).runner
+            if late_fp8:
+                quant.quantize(model.model, "fp8")
+                print("fp8: the dry run quantizes after loading")
             assert model.device.type == device.type, model.device
             out = {k: v.float().cpu() for k, v in run_model(model, tokens.to(device)).items()}
             expected = {"full": ref, "decode": ref, "rows": expected_rows(ref, out["rows"])}
@@ -145,12 +150,12 @@ def parity(dry: bool) -> bool:
 
 
 def fp8_here(device: torch.device) -> bool:
-    """Whether device runs quant.py's fp8 (else says why)."""
+    """Whether device runs quant.py's fp8 as served (else says why)."""
     try:
         quant.check_device("fp8", device)
         return True
     except ValueError as e:
-        print(f"fp8 skipped: {e}")
+        print(f"fp8 as served is refused here: {e}")
         return False
 
 

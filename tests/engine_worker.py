@@ -7,7 +7,7 @@ runs workload() on FOLDER (loaded with llama2.tp_llama on WORLD_SIZE ranks) once
 of CONFIGS and saves {config: result} to OUT_DIR/rank{r}.pt; with constrained, runs
 constrained() (test_constrained.py's) alone and saves {"constrained": result}; with
 speculative, test_speculative.py's speculated() for each proposer, {method: result}; with
-flex, workload() for each of FLEX_CONFIGS with FlexAttention (test_attention.py)."""
+flex, workload() for each of FLEX_CONFIGS and preempted() with FlexAttention (test_attention.py)."""
 
 import os
 import sys
@@ -121,6 +121,22 @@ def speculated(llama, proposer, caching: bool = True, budget: int = 16, max_seqs
             "proposed": spec.proposed if spec else 0, "accepted": spec.accepted if spec else 0}
 
 
+def preempted(llama) -> dict:
+    """Three sequences (greedy, seeded, greedy) on a pool of 4 blocks of 16 tokens, prompts in
+    chunks of 8 (test_preemption.py's run): their tokens, and each preemption's victim."""
+    from test_preemption import run as run_on_pool
+
+    tok, max_seq_len = llama.tokenizer, llama.runner.max_seq_len
+    text = "once upon a time there was a little llama who lived in the hills " * 3
+    prompts = [tok.encode(text, bos=True, eos=False)[:n] for n in (12, 10, 30)]
+    params = [SamplingParams(max_gen_len=n, temperature=t, seed=i, ignore_eos=True)
+              for i, (n, t) in enumerate(((24, 0), (10, 0.8), (4, 0)))]
+    llama.runner.allocate(max_seq_len=64)  # a pool of 4 blocks still takes any one sequence
+    _, seqs, victims = run_on_pool(llama, 4, prompts, params, max_batched_tokens=8)
+    llama.runner.allocate(max_seq_len=max_seq_len, num_blocks=None)
+    return {"tokens": [s.tokens for s in seqs], "victims": victims}
+
+
 def budgeted(llama, slow: bool) -> dict:
     """One sequence decoded by run(16, seconds) until done (seconds: about 4 steps at rank 0's
     first pace), this rank's pace taken as three times what it measured when slow (as if the ranks' clocks disagreed), and the same
@@ -155,7 +171,7 @@ def main():
         result = {"ngram": speculated(llama, NgramProposer()), "draft": speculated(llama, DraftProposer(draft))}
     elif mode == ["flex"]:
         llama.runner.attention = "flex"
-        result = {config: workload(llama, *config) for config in FLEX_CONFIGS}
+        result = {config: workload(llama, *config) for config in FLEX_CONFIGS} | {"preempted": preempted(llama)}
     else:
         result = {config: workload(llama, *config) for config in CONFIGS}
         result["budgeted"] = budgeted(llama, slow=dist.get_rank() == 1)

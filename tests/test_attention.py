@@ -12,11 +12,9 @@ import llama2
 from attention import GatherAttention
 from batch import Batch
 from conftest import DEMO, TOKENIZER
-from engine_worker import FLEX_CONFIGS, workload
+from engine_worker import FLEX_CONFIGS, preempted, workload
 from flex_attention import FlexAttention
 from runner import FLEX_FROM_TOKENS
-from test_preemption import run as run_on_pool
-from sequence import SamplingParams
 from torchrun import run
 from tp_worker import max_diff
 
@@ -101,26 +99,50 @@ def test_flex_gives_the_same_greedy_tokens_in_the_engine(demo):
 
 
 def test_flex_gives_the_same_tokens_under_preemption(demo):
-    tok = demo.tokenizer
-    text = "once upon a time there was a little llama who lived in the hills " * 3
-    prompts = [tok.encode(text, bos=True, eos=False)[:n] for n in (12, 10, 30)]
-    params = [SamplingParams(max_gen_len=n, temperature=t, seed=i, ignore_eos=True)
-              for i, (n, t) in enumerate(((24, 0), (10, 0.8), (4, 0)))]
     runs = {}
-    demo.runner.allocate(max_seq_len=64)  # a pool of 4 blocks still takes any one sequence
     for backend in ("sdpa", "flex"):
         demo.runner.attention = backend
-        engine, seqs, victims = run_on_pool(demo, 4, prompts, params, max_batched_tokens=8)
-        runs[backend] = ([s.tokens for s in seqs], victims)
-    demo.runner.allocate(max_seq_len=256, num_blocks=None)
+        runs[backend] = preempted(demo)
     demo.runner.attention = "sdpa"
-    assert runs["flex"] == runs["sdpa"] and len(runs["sdpa"][1]) >= 2  # preempted, alike
+    assert runs["flex"] == runs["sdpa"] and len(runs["sdpa"]["victims"]) >= 2  # preempted, alike
 
 
 @pytest.mark.slow
 def test_flex_at_tp2_gives_tp1_tokens(demo, tmp_path):
     ranks = run("engine_worker.py", 2, tmp_path, DEMO, "flex")
     demo.runner.attention = "sdpa"
-    expected = {config: workload(demo, *config) for config in FLEX_CONFIGS}
+    expected = {config: workload(demo, *config) for config in FLEX_CONFIGS} | {"preempted": preempted(demo)}
     for rank in ranks:
-        assert {config: rank[config] for config in FLEX_CONFIGS} == expected
+        assert rank == expected
+
+
+@pytest.mark.slow  # torch.compile
+def test_compiled_auto_switches_backends_as_eager_sdpa_does(checkpoints):
+    """compile_decode() with auto: decode steps of 8 rows with long contexts (flex) and of one
+    short row (sdpa), in turns, give the eager gather + SDPA logits (an MHA model: there,
+    without flex's graphs compiled first, inductor failed to compile them)."""
+    import torch
+
+    runner = llama2.tp_llama(None, checkpoints["mha"][1]["hf"], TOKENIZER, 1, max_batch_size=8, max_seq_len=512,
+                             attention="sdpa").runner
+    vocab, size = runner.vocab_size, runner.block_size
+
+    def decode_steps() -> list:
+        out = []
+        for step in range(4):
+            rows, position = (8, 300 + step) if step % 2 == 0 else (1, 40 + step)
+            batch = Batch([], [], [])
+            for row in range(rows):
+                table = list(range(row * 32, row * 32 + position // size + 1))
+                batch.add([(7 * step + row) % (vocab - 3) + 3], position, table, size, decode=True)
+            out.append(runner.forward_batch(batch))
+        return out
+
+    eager = decode_steps()
+    torch._dynamo.reset()
+    runner.attention = "auto"
+    runner.compile_decode()
+    runner.attach_cache(runner.num_blocks)  # zeroed, as the eager steps saw it
+    compiled = decode_steps()
+    for i, (a, b) in enumerate(zip(eager, compiled)):
+        assert max_diff(a, b) <= 1e-4, f"step {i}"
