@@ -11,7 +11,7 @@ import pytest
 import llama2
 from attention import GatherAttention
 from batch import Batch
-from conftest import DEMO, TOKENIZER
+from conftest import DEMO, TOKENIZER, start_demo_server
 from engine_worker import FLEX_CONFIGS, preempted, workload
 from flex_attention import FlexAttention
 from runner import FLEX_FROM_TOKENS
@@ -146,3 +146,20 @@ def test_compiled_auto_switches_backends_as_eager_sdpa_does(checkpoints):
     compiled = decode_steps()
     for i, (a, b) in enumerate(zip(eager, compiled)):
         assert max_diff(a, b) <= 1e-4, f"step {i}"
+
+
+@pytest.mark.slow  # a TorchServe
+def test_torchserve_with_flex_answers_as_in_process(tmp_path, demo_llama):
+    """handler.attention: flex on a TP=2 TorchServe: its workers attend with FlexAttention
+    (their log says so) and answer greedy prompts, one of them long, as the model in this
+    process does."""
+    prompts = ["The secret of a happy life is", "Once upon a time", "A long prompt: " + " ".join(map(str, range(90)))]
+    server = start_demo_server(tmp_path, attention="flex")
+    try:
+        answers = server.generate({"prompt": prompts, "temperature": 0, "max_new_tokens": 24})
+        log = server.log()
+    finally:
+        server.stop()
+    expected = demo_llama.text_completion(prompts, 24, temperature=0)
+    assert [a["generation"] for a in answers] == [e["generation"] for e in expected]
+    assert "prefix caching on, attention flex," in log
