@@ -77,7 +77,8 @@ def decode_block_mask(tables: list[list[int]], positions: torch.Tensor, block_si
     whole = torch.tensor([len(t) - 1 for t in tables], dtype=torch.int32, device=device)
     last = blocks_tensor([t[-1:] for t in tables], pool_blocks, device)
     return BlockMask.from_kv_blocks(
-        torch.ones(1, 1, rows, dtype=torch.int32, device=device), last[None, None], whole[None, None], table[None, None],
+        torch.ones(1, 1, rows, dtype=torch.int32, device=device), last[None, None],
+        whole[None, None], table[None, None],
         BLOCK_SIZE=(1, block_size), mask_mod=in_sequence_up_to(logical_blocks(tables, pool_blocks, device),
                                                                positions, block_size),
         seq_lengths=(rows, pool_blocks * block_size), compute_q_blocks=False)
@@ -95,13 +96,14 @@ def chunk_block_mask(blocks: list[int], first: int, length: int, block_size: int
         hi = min(lo + CHUNK_QUERY_BLOCK, first + length) - 1
         whole.append((lo + 1) // block_size)
         partial.append(blocks[whole[-1]:hi // block_size + 1])
-    logical = logical_blocks([blocks], pool_blocks, device)
+    mask_mod = in_sequence_up_to(logical_blocks([blocks], pool_blocks, device), torch.tensor([first], device=device),
+                                 block_size)
     return BlockMask.from_kv_blocks(
         torch.tensor([[list(map(len, partial))]], dtype=torch.int32, device=device),
         blocks_tensor(partial, pool_blocks, device)[None, None],
         torch.tensor([[whole]], dtype=torch.int32, device=device),
         blocks_tensor([blocks] * n_query_blocks, pool_blocks, device)[None, None],
-        BLOCK_SIZE=(CHUNK_QUERY_BLOCK, block_size), mask_mod=in_sequence_up_to(logical, torch.tensor([first], device=device), block_size),
+        BLOCK_SIZE=(CHUNK_QUERY_BLOCK, block_size), mask_mod=mask_mod,
         seq_lengths=(length, pool_blocks * block_size), compute_q_blocks=False)
 
 
@@ -109,8 +111,9 @@ def in_sequence_up_to(logical: torch.Tensor, positions: torch.Tensor, block_size
     """The mask of queries over the pool: a query sees a slot if the slot's block is in its
     sequence (logical[row, block]: the block's place there, or -1) at a position up to its
     own. positions: each query's (decoding rows, each with a logical row of its own), or one
-    element, the first query's (a prefill chunk: consecutive queries of one sequence). Exact for every slot, not only in the blocks that the
-    block mask lists: eager flex_attention (the reference) evaluates it everywhere."""
+    element, the first query's (a prefill chunk: consecutive queries of one sequence). Exact
+    for every slot, not only in the blocks that the block mask lists: eager flex_attention
+    (the reference) evaluates it everywhere."""
     def seen(place, position, kv):
         return (place >= 0) & (place * block_size + kv % block_size <= position)
 

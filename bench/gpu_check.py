@@ -45,7 +45,8 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tools"), os.path.join(ROOT, "tests"), os.path.join(ROOT, "bench")]  # ROOT's first
+# ROOT's modules first: bench/structured.py would shadow structured.py
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tools"), os.path.join(ROOT, "tests"), os.path.join(ROOT, "bench")]
 import generate  # noqa: E402
 import llama2  # noqa: E402
 import quant  # noqa: E402
@@ -304,9 +305,10 @@ def attention(dry: bool) -> bool:
             err = (logits["flex"] - logits["sdpa"]).abs().max().item() / logits["sdpa"].std().item()
             good = err <= tol
             ok &= good
-            print(f"{device.type} {str(dtype)[6:]} batch {rows}, context {context:,}: decode step sdpa {ms['sdpa']:.2f} "
-                  f"ms, flex {ms['flex']:.2f} ms (flex {ms['sdpa'] / ms['flex']:.2f}x); max |Δ| / std = {err:.1e} "
-                  f"(tolerance {tol:g})  {'ok' if good else 'FAIL'}")
+            print(f"{device.type} {str(dtype)[6:]} batch {rows}, context {context:,}: "
+                  f"decode step sdpa {ms['sdpa']:.2f} ms, flex {ms['flex']:.2f} ms "
+                  f"(flex {ms['sdpa'] / ms['flex']:.2f}x); max |Δ| / std = {err:.1e} (tolerance {tol:g})  "
+                  f"{'ok' if good else 'FAIL'}")
     return ok
 
 

@@ -121,7 +121,8 @@ def check(config: dict, weights: str | None = None) -> str:
         raise ValueError(f"handler.max_seq_len {max_seq_len} is beyond the {positions} positions the model "
                          f"in {folder} was made for (config.json max_position_embeddings)")
     if settings.quantization_mode:
-        quant.check_device(settings.quantization_mode, torch.device("cuda" if config.get("deviceType") == "gpu" else "cpu"))
+        on = "cuda" if config.get("deviceType") == "gpu" else "cpu"
+        quant.check_device(settings.quantization_mode, torch.device(on))
     if settings.kv_cache_memory and config.get("deviceType") != "gpu":
         raise ValueError(f"handler.kv_cache_memory {settings.kv_cache_memory} is a share of a GPU's free memory, "
                          "and this deployment runs on the CPU: give handler.kv_cache_bytes")
