@@ -89,7 +89,7 @@ class ServingConfig:
     compile: bool = setting(False, "true or false", flag)
     kv_cache_bytes: int = setting(0, "a whole number >= 0", lambda value: whole(value, 0))
     # a share of the GPU memory left free after loading, instead of kv_cache_bytes (GPU only)
-    kv_cache_memory: float = setting(0.0, "a number from 0 to 1", lambda value: number(value) and value <= 1)
+    kv_cache_memory: float = setting(0, "a number from 0 to 1", lambda value: number(value) and value <= 1)
     attention: str = setting("auto", "auto, flex or sdpa", one_of(*ATTENTION))
     max_batched_tokens: Auto | int = setting(AUTO, "auto or a whole number >= 0",
                                              lambda value: value == AUTO or whole(value, 0))
