@@ -98,6 +98,19 @@ def test_flex_gives_the_same_greedy_tokens_in_the_engine(demo):
     demo.runner.attention = "sdpa"
 
 
+def test_flex_does_not_compile_again_as_batches_and_contexts_change(demo):
+    """Its compiled graphs, once made for rows of one and of two and for chunks after a
+    cached prefix, serve batches of up to four rows, other contexts and other chunks."""
+    import torch
+
+    demo.runner.attention = "flex"
+    workload(demo, True, 16, max_seqs=2)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for caching, budget in FLEX_CONFIGS:
+            workload(demo, caching, budget, max_seqs=4)
+    demo.runner.attention = "sdpa"
+
+
 def test_flex_gives_the_same_tokens_under_preemption(demo):
     runs = {}
     for backend in ("sdpa", "flex"):
