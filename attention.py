@@ -34,7 +34,7 @@ class GatherAttention:
             key_pos = torch.arange(width * block_size, device=device)
             decode_mask = additive_mask(key_pos <= positions[:batch.n_decode, None], dtype)[:, None, None]
         chunks, start = [], batch.n_decode
-        for first, (length, blocks) in zip(batch.chunk_first_positions(), batch.chunks):
+        for length, blocks, first in batch.chunks:
             mask = None
             if first > 0:  # earlier keys are in the cache: gather them
                 key_pos = torch.arange(len(blocks) * block_size, device=device)

@@ -15,7 +15,8 @@ class Batch:
     slots: list[int]  # where each token's keys and values go: block * block_size + offset
     n_decode: int = 0
     decode_blocks: list[list[int]] = field(default_factory=list)  # each decoding sequence's block table
-    chunks: list[tuple[int, list[int]]] = field(default_factory=list)  # (tokens, block table) per chunk
+    # (tokens, block table, first position: 0 for a prompt's first chunk, nothing cached) per chunk
+    chunks: list[tuple[int, list[int], int]] = field(default_factory=list)
     logits_at: list[int] | None = None  # the tokens whose logits are wanted; None: all
 
     def add(self, tokens: list[int], start: int, blocks: list[int], block_size: int, decode: bool):
@@ -30,12 +31,4 @@ class Batch:
             self.n_decode += 1
             self.decode_blocks.append(used)
         else:
-            self.chunks.append((len(tokens), used))
-
-    def chunk_first_positions(self) -> list[int]:
-        """Each chunk's first position in its sequence (0: a prompt's first chunk, with nothing cached)."""
-        firsts, i = [], self.n_decode
-        for length, _ in self.chunks:
-            firsts.append(self.positions[i])
-            i += length
-        return firsts
+            self.chunks.append((len(tokens), used, start))

@@ -39,7 +39,7 @@ class FlexAttention:
             tables = [t[:p // block_size + 1] for t, p in zip(batch.decode_blocks, batch.positions)]
             decode_mask = decode_block_mask(tables, positions[:batch.n_decode].clone(), block_size, pool_blocks)
         chunks, start = [], batch.n_decode
-        for first, (length, blocks) in zip(batch.chunk_first_positions(), batch.chunks):
+        for length, blocks, first in batch.chunks:
             mask = None
             if first > 0:
                 mask = chunk_block_mask(blocks, first, length, block_size, pool_blocks, positions.device)

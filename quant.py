@@ -34,22 +34,25 @@ def int8_quantize(w: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tens
     The scales are rounded to bf16 before q is computed, so that q fits the scale the kernel
     uses. group: the ranks that hold the other parts of each row (a row-parallel shard): the
     scales then come from the whole rows, as without tensor parallelism."""
-    lo, hi = w.aminmax(dim=1)  # no full-size temporary: the loader's peak is one layer plus q
-    absmax = torch.maximum(-lo, hi).float()
-    if group is not None:
-        dist.all_reduce(absmax, op=dist.ReduceOp.MAX, group=group)
+    absmax = row_absmax(w, group)
     scales = torch.where(absmax > 0, absmax / 127, 1.0).to(torch.bfloat16)
     q = torch.div(w, scales.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
     return q, scales
 
 
-def fp8_quantize(w: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q float8_e4m3fn [out, in], scales fp32 [out]) with w ≈ q * scales[:, None]; group as
-    in int8_quantize."""
-    lo, hi = w.aminmax(dim=1)
+def row_absmax(w: torch.Tensor, group=None) -> torch.Tensor:
+    """Each row's largest magnitude (fp32), over the whole rows when group holds their other parts."""
+    lo, hi = w.aminmax(dim=1)  # no full-size temporary: the loader's peak is one layer plus q
     absmax = torch.maximum(-lo, hi).float()
     if group is not None:
         dist.all_reduce(absmax, op=dist.ReduceOp.MAX, group=group)
+    return absmax
+
+
+def fp8_quantize(w: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [out, in], scales fp32 [out]) with w ≈ q * scales[:, None]; group as
+    in int8_quantize."""
+    absmax = row_absmax(w, group)
     scales = torch.where(absmax > 0, absmax / FP8_MAX, 1.0)
     return torch.div(w, scales[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
 

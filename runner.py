@@ -95,12 +95,16 @@ class ModelRunner:
     def attention_metadata(self, batch: Batch, positions: torch.Tensor) -> GatherAttention | FlexAttention:
         """batch's attention metadata, for the backend that self.attention picks for it."""
         flex = self.attention == "flex"
-        if self.attention == "auto" and self.device.type != "cuda":
-            cached = [blocks for start, (_, blocks) in zip(batch.chunk_first_positions(), batch.chunks) if start > 0]
+        if self.attention == "auto" and self.flex_may_pay():
+            cached = [blocks for _, blocks, first in batch.chunks if first > 0]
             flex = sum(map(len, batch.decode_blocks + cached)) * self.block_size >= FLEX_FROM_TOKENS
         if flex:
             return FlexAttention.build(batch, positions, self.block_size, self.pool_blocks)
         return GatherAttention.build(batch, positions, self.block_size, self.dtype)
+
+    def flex_may_pay(self) -> bool:
+        """Whether auto considers flex here (measured on CPU only so far)."""
+        return self.device.type != "cuda"
 
     @torch.inference_mode()
     def bucketed_decode(self, batch: Batch, rows: int | None = None, width: int | None = None,
@@ -168,7 +172,7 @@ class ModelRunner:
         length = min(self.block_size + 2, self.max_seq_len - 1)
         tokens = torch.zeros(rows, length, dtype=torch.long, device=self.device)
         chosen = self.attention
-        for self.attention in ("flex", "sdpa") if chosen == "auto" else (chosen,):
+        for self.attention in ("flex", "sdpa") if chosen == "auto" and self.flex_may_pay() else (chosen,):
             self(tokens, 0)
             for pos in (1, length):
                 self(tokens[:1, :1], pos)
