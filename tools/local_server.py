@@ -3,6 +3,7 @@ running `make serve`), its own pid file and key file, the repository's configs o
 
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -22,17 +23,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 
 
+# below Linux's ephemeral range (32768-60999), which the clients' own connections draw from: a
+# port taken from it could be some connection's local port by the time torchrun binds it
+PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(1000):
+        port = random.choice(PORTS)
+        if port_free(port):
+            return port
+    raise RuntimeError("no free port")
 
 
 def free_port_range(n: int) -> int:
     """A base port b with b..b+n-1 free, for the ranks' worker sockets."""
     for _ in range(100):
         base = free_port()
-        if base + n < 65535 and all(port_free(base + i) and not os.path.exists(f"/tmp/.ts.sock.{base + i}")
+        if base + n < PORTS.stop and all(port_free(base + i) and not os.path.exists(f"/tmp/.ts.sock.{base + i}")
                                     for i in range(n)):
             return base
     raise RuntimeError("no free port range")

@@ -172,7 +172,7 @@ def wait(url: str, key_file: str, timeout: float, logs: str | None = None, show=
         while not answered.wait(0.25):
             if time.monotonic() - start > timeout:
                 raise TimeoutError(f"TorchServe did not answer within {timeout:.0f} s (last: {last[0]} "
-                                   f"{last[1][:300]}); see {logs or 'logs'}/model_log.log")
+                                   f"{last[1][:300]}){stuck(loading, start)}; see {logs or 'logs'}/model_log.log")
             if loading:
                 report(loading, start, show)
                 if loading.failed:
@@ -182,6 +182,15 @@ def wait(url: str, key_file: str, timeout: float, logs: str | None = None, show=
     if loading:
         report(loading, start, show)  # the last ranks' last lines
     return inference_key(key_file)
+
+
+def stuck(loading: Loading | None, start: float) -> str:
+    """Where the loading stood, for a timeout's message: the ranks' stages and the model log's
+    last message (a CI log keeps only the error's line)."""
+    if not loading:
+        return ""
+    last = loading.recent[-1][:300] if loading.recent else "nothing"
+    return f"; {loading.status(time.monotonic() - start)}; the model log's last message: {last}"
 
 
 def report(loading: Loading, start: float, show):
@@ -233,7 +242,7 @@ def show_examples(url: str, key: str) -> bool:
     """Whether every example answered HTTP 200."""
     answered = True
     print(f"\nTorchServe serves the model as 'llama' at {url}. The inference key is in key_file.json:")
-    print(f"  KEY=$(python3 -c \"import json; print(json.load(open('key_file.json'))['inference']['key'])\")")
+    print("  KEY=$(python3 -c \"import json; print(json.load(open('key_file.json'))['inference']['key'])\")")
     for kind, body in EXAMPLES:
         print(f"\n{kind}:\n  curl -s {url}/predictions/llama -H \"Authorization: Bearer $KEY\" "
               f"-H 'Content-Type: application/json' -d '{json.dumps(body)}'")
