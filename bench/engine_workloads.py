@@ -35,7 +35,6 @@ import tempfile
 import threading
 import time
 
-import numpy as np
 import requests
 
 import report

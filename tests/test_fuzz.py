@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 import api
 import native_api
 import chat_format
-import generate
 import openai_api
 from api import Defaults, Limits, RequestError
 from conftest import TOKENIZER

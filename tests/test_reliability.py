@@ -20,7 +20,6 @@ import requests
 import torch
 
 import chat_format
-import generate
 from conftest import ROOT, SERVER_SLOTS, start_demo_server
 
 NATIVE, COMPLETIONS, CHAT = "", "/1.0/v1/completions", "/1.0/v1/chat/completions"
