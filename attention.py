@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from batch import Batch
+from batch import Batch, to_device
 
 
 @dataclass
@@ -30,7 +30,7 @@ class GatherAttention:
         decode_blocks = decode_mask = None
         if batch.n_decode:
             width = max(map(len, batch.decode_blocks))
-            decode_blocks = torch.tensor([b + [0] * (width - len(b)) for b in batch.decode_blocks], device=device)
+            decode_blocks = to_device([b + [0] * (width - len(b)) for b in batch.decode_blocks], device)
             key_pos = torch.arange(width * block_size, device=device)
             decode_mask = additive_mask(key_pos <= positions[:batch.n_decode, None], dtype)[:, None, None]
         chunks, start = [], batch.n_decode
@@ -39,9 +39,9 @@ class GatherAttention:
             if first > 0:  # earlier keys are in the cache: gather them
                 key_pos = torch.arange(len(blocks) * block_size, device=device)
                 mask = additive_mask(key_pos <= positions[start:start + length, None], dtype)[None, None]
-            chunks.append((start, length, torch.tensor(blocks, device=device), mask))
+            chunks.append((start, length, to_device(blocks, device), mask))
             start += length
-        return cls(torch.tensor(batch.slots, device=device), decode_blocks, decode_mask, chunks)
+        return cls(to_device(batch.slots, device), decode_blocks, decode_mask, chunks)
 
     def attend(self, xq, xk, xv, cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
         """Store the new keys and values (tokens, kv heads, head_dim) in the cache, then attend

@@ -3,6 +3,8 @@ positions, into which KV-cache slots, and which blocks each sequence attends ove
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class Batch:
@@ -18,6 +20,24 @@ class Batch:
     # (tokens, block table, first position: 0 for a prompt's first chunk, nothing cached) per chunk
     chunks: list[tuple[int, list[int], int]] = field(default_factory=list)
     logits_at: list[int] | None = None  # the tokens whose logits are wanted; None: all
+    # asynchronous scheduling: tokens sampled by the step before, still on the device, as
+    # (row in tokens, whose entry there is a placeholder; index in carried_from)
+    carried: list[tuple[int, int]] = field(default_factory=list)
+    carried_from: torch.Tensor | None = None
+
+    def carry(self, index: int, sampled: torch.Tensor):
+        """The last token added is sampled[index], which the host does not have yet."""
+        assert self.carried_from is None or self.carried_from is sampled
+        self.carried.append((len(self.tokens) - 1, index))
+        self.carried_from = sampled
+
+    def token_ids(self, device: torch.device) -> torch.Tensor:
+        """tokens on device, the carried ones taken from the step before's samples there."""
+        tokens = to_device(self.tokens, device)
+        if self.carried:
+            rows, index = zip(*self.carried)
+            tokens[to_device(rows, device)] = self.carried_from[to_device(index, device)]
+        return tokens
 
     def add(self, tokens: list[int], start: int, blocks: list[int], block_size: int, decode: bool):
         """One sequence's tokens at positions start..., whose keys and values go in blocks (its
@@ -32,3 +52,13 @@ class Batch:
             self.decode_blocks.append(used)
         else:
             self.chunks.append((len(tokens), used, start))
+
+
+def to_device(values: list | torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """values (a list, or a tensor on the CPU) as a tensor on device. On CUDA through pinned
+    memory, without waiting: a copy from pageable memory waits for the work queued on the
+    stream, and asynchronous scheduling builds a step's inputs while the step before runs."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -24,7 +24,7 @@ import torch
 
 import collectives
 import structured
-from batch import Batch
+from batch import Batch, to_device
 from kv_cache import BlockPool
 from sampler import adjust_logits, sample, token_logprobs
 from scheduler import Scheduler, Work
@@ -36,13 +36,16 @@ from tokenizer import TextStream
 
 class Engine:
     def __init__(self, runner, tokenizer, max_seqs: int | None = None, max_batched_tokens: int = 0,
-                 prefix_caching: bool = True, threaded: bool = True, speculation: Speculation | None = None):
+                 prefix_caching: bool = True, threaded: bool = True, speculation: Speculation | None = None,
+                 async_scheduling: bool = False):
         """runner: the model and its KV cache (runner.ModelRunner). max_seqs: the most
         sequences decoded together (default: the runner's max_batch_size); max_batched_tokens:
         the most tokens one step computes (0: no limit); prefix_caching: reuse the cached blocks that a prompt starts with;
         threaded: start() runs on a thread of the engine's own (else at once, on the
         caller's: a server whose steps run in turn with its own work); speculation: proposed
-        tokens verified in the steps (speculative.py), or none."""
+        tokens verified in the steps (speculative.py), or none; async_scheduling: a step
+        starts before the host has the tokens of the one before (vLLM v1's asynchronous
+        scheduling: step())."""
         self.runner, self.tokenizer = runner, tokenizer
         self.device = runner.device
         self.max_seq_len = runner.max_seq_len
@@ -61,6 +64,8 @@ class Engine:
         # grammar masks are computed here while the forward pass runs (llguidance leaves the GIL)
         self.masker = ThreadPoolExecutor(1, thread_name_prefix="masks")
         self.pace = 0.0  # seconds per step in the last run(), 0 before the first
+        self.async_scheduling = async_scheduling
+        self.ahead: Ahead | None = None  # the last step's tokens, while the host does not have them
 
     @property
     def running(self) -> list[Sequence]:
@@ -157,6 +162,7 @@ class Engine:
             n += 1
             if self.step() or not self.running:
                 break
+        self.catch_up()  # whoever reads the sequences next sees all their tokens
         self.pace = (time.perf_counter() - begin) / n
         return n
 
@@ -172,12 +178,19 @@ class Engine:
     def step(self) -> bool:
         """One forward pass over this step's work, and a token for each sequence whose
         prompt or last token it finished (more where it verifies proposed tokens). True if a
-        sequence got its first token or ended."""
+        sequence got its first token or ended.
+
+        With asynchronous scheduling, a step whose sequences allow it (runs_ahead) leaves its
+        tokens on the device, where the next step reads them; the host appends them (text,
+        stop strings, ends) after it has queued that next step, while the device runs it."""
+        news = False
+        if self.ahead and not self.may_run_ahead():
+            news = self.catch_up()
         if self.speculation:
             self.speculation.reserve([s for s in self.scheduler.running if Scheduler.uncached(s) == 1])
         work = self.scheduler.schedule()
         if not work:
-            return False
+            return self.catch_up() or news
         if self.speculation:
             self.propose(work)
         batch, rows = self.batch(work)
@@ -186,7 +199,9 @@ class Engine:
         # meanwhile; it comes from the row before those of its proposed tokens
         to_sample = [(w.seq, last - 1 - len(w.seq.draft)) for w, (_, last) in zip(work, rows)
                      if completes(w) and w.seq.params.max_gen_len]
-        masks = self.start_masks([seq for seq, _ in to_sample])
+        seqs, sample_rows = [s for s, _ in to_sample], [row for _, row in to_sample]
+        deferred = self.async_scheduling and all(map(self.runs_ahead, seqs))
+        masks = None if deferred else self.start_masks(seqs)
         logits = self.runner.forward_batch(batch)
         for w, (first, last) in zip(work, rows):
             seq = w.seq
@@ -195,19 +210,74 @@ class Engine:
             if completes(w) and seq.params.max_gen_len == 0:
                 seq.finish_reason = "length"  # a prompt to score, nothing to generate
             seq.cached += w.n - len(seq.draft)  # a proposed token's entry counts once it is accepted
-        self.advance([s for s, _ in to_sample], logits, [row for _, row in to_sample], masks)
-        news = False
+        previous = self.ahead
+        if deferred:
+            self.ahead = self.sample_ahead(seqs, logits, sample_rows) if seqs else None
+        else:
+            self.ahead = None
+            news |= self.settle(previous)  # its tokens come before this step's
+            self.advance(seqs, logits, sample_rows, masks)
         for w in work:
-            seq = w.seq
-            if seq.draft_room and not seq.done:  # the blocks of rejected tokens go back
-                seq.table.trim(len(seq.prompt_tokens) + len(seq.tokens))
-                seq.draft_cached = min(seq.draft_cached, seq.cached)
-            seq.draft, seq.draft_room = [], 0
-            if seq.cached // self.pool.block_size > len(seq.table.hashes):
-                seq.table.commit(seq.prompt_tokens + seq.tokens, seq.cached)
+            self.after_step(w.seq)
+            if not w.seq.ahead:  # else its news comes with its token
+                news |= w.seq.done or len(w.seq.sampled) == 1
+        return (deferred and self.settle(previous)) or news
+
+    def after_step(self, seq: Sequence):
+        """Its blocks as its tokens on the host now stand: those of rejected proposals go back,
+        the full ones are named (prefix caching); all of them go back once it is done."""
+        if seq.draft_room and not seq.done:  # the blocks of rejected tokens go back
+            seq.table.trim(len(seq.prompt_tokens) + len(seq.tokens))
+            seq.draft_cached = min(seq.draft_cached, seq.cached)
+        seq.draft, seq.draft_room = [], 0
+        known = min(seq.cached, len(seq.prompt_tokens) + len(seq.tokens))  # not a token still on the device
+        if known // self.pool.block_size > len(seq.table.hashes):
+            seq.table.commit(seq.prompt_tokens + seq.tokens, known)
+        if seq.done:
+            self.scheduler.remove(seq)
+
+    def runs_ahead(self, seq: Sequence) -> bool:
+        """Whether seq's next token may be sampled before the host has its last one: nothing
+        that picks it reads the tokens on the host (penalties, a grammar, min_tokens still to
+        reach, speculation), and no logprobs are due with it."""
+        return (self.speculation is None and seq.matcher is None and seq.counts is None
+                and not seq.params.logprobs and len(seq.tokens) >= seq.params.min_tokens)
+
+    def may_run_ahead(self) -> bool:
+        """Whether the next step may start with the last step's tokens still on the device:
+        every decoding sequence has a block for its next token, so that none is preempted (its
+        recomputed tokens would include one the host does not have)."""
+        needed = sum(s.table.blocks_for(s.cached + 1) for s in self.scheduler.running)
+        return needed <= self.pool.num_free
+
+    def sample_ahead(self, seqs: list[Sequence], logits: torch.Tensor, rows: list[int]) -> "Ahead":
+        """Each sequence's next token (rank 0's on every rank), sampled on the device and left
+        there, with its copy to the host started."""
+        tokens = sample(adjust_logits(logits[to_device(rows, logits.device)], seqs), seqs)
+        if collectives.tp_world()[1] > 1:
+            collectives.broadcast(tokens, src=0)
+        for seq in seqs:
+            seq.ahead += 1
+        return Ahead(seqs, tokens)
+
+    def catch_up(self) -> bool:
+        """Settle the last step that ran ahead: the host has every token then."""
+        ahead, self.ahead = self.ahead, None
+        return self.settle(ahead)
+
+    def settle(self, ahead: "Ahead | None") -> bool:
+        """Append the tokens of a step that ran ahead. True if one was a sequence's first or
+        ended it."""
+        if ahead is None:
+            return False
+        news = False
+        for seq, token in zip(ahead.seqs, ahead.on_host()):
+            if seq.done or seq not in self.scheduler.running:  # it ended (or left) the step before
+                continue
+            seq.ahead -= 1
+            self.append(seq, token)
+            self.after_step(seq)
             news |= seq.done or len(seq.sampled) == 1
-            if seq.done:
-                self.scheduler.remove(seq)
         return news
 
     def propose(self, work: list[Work]):
@@ -227,7 +297,10 @@ class Engine:
         for w in work:
             seq = w.seq
             tokens = tokens_between(seq, seq.cached, seq.cached + w.n - len(seq.draft)) + seq.draft
-            if seq.draft:  # verifying: a decode row per token, each attending up to its own position
+            if seq.ahead:  # its token, sampled by the step before, is on the device
+                batch.add([0], seq.cached, seq.table.blocks, self.pool.block_size, decode=True)
+                batch.carry(self.ahead.index[seq], self.ahead.tokens)
+            elif seq.draft:  # verifying: a decode row per token, each attending up to its own position
                 for i, token in enumerate(tokens):
                     batch.add([token], seq.cached + i, seq.table.blocks, self.pool.block_size, decode=True)
             else:
@@ -333,6 +406,27 @@ class Engine:
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top)
             seq.text_offsets.append(offset)
+
+
+class Ahead:
+    """A step's sampled tokens on their way to the host: the sequences that sampled them, the
+    tokens on the device (the next step's inputs) and their copy on the host."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor):
+        self.seqs, self.tokens = seqs, tokens
+        self.index = {seq: i for i, seq in enumerate(seqs)}
+        self.ready = None
+        self.host = tokens
+        if tokens.device.type == "cuda":  # one copy per step, waited for only when settled
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def on_host(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
 
 
 def finish(seq: Sequence, reason: str):

@@ -10,7 +10,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from attention import causal, store
-from batch import Batch
+from batch import Batch, to_device
 
 CHUNK_QUERY_BLOCK = 128  # a prefill chunk's queries share a block mask row per this many
 
@@ -45,7 +45,7 @@ class FlexAttention:
                 mask = chunk_block_mask(blocks, first, length, block_size, pool_blocks, positions.device)
             chunks.append((start, length, mask))
             start += length
-        return cls(torch.tensor(batch.slots, device=positions.device), batch.n_decode, decode_mask, chunks)
+        return cls(to_device(batch.slots, positions.device), batch.n_decode, decode_mask, chunks)
 
     def attend(self, xq, xk, xv, cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
         """Store the new keys and values (tokens, kv heads, head_dim) in the cache, then attend
@@ -74,7 +74,7 @@ def decode_block_mask(tables: list[list[int]], positions: torch.Tensor, block_si
     position."""
     device, rows = positions.device, len(tables)
     table = blocks_tensor(tables, pool_blocks, device)
-    whole = torch.tensor([len(t) - 1 for t in tables], dtype=torch.int32, device=device)
+    whole = to_device([len(t) - 1 for t in tables], device, torch.int32)
     last = blocks_tensor([t[-1:] for t in tables], pool_blocks, device)
     return BlockMask.from_kv_blocks(
         torch.ones(1, 1, rows, dtype=torch.int32, device=device), last[None, None],
@@ -96,12 +96,12 @@ def chunk_block_mask(blocks: list[int], first: int, length: int, block_size: int
         hi = min(lo + CHUNK_QUERY_BLOCK, first + length) - 1
         whole.append((lo + 1) // block_size)
         partial.append(blocks[whole[-1]:hi // block_size + 1])
-    mask_mod = in_sequence_up_to(logical_blocks([blocks], pool_blocks, device), torch.tensor([first], device=device),
+    mask_mod = in_sequence_up_to(logical_blocks([blocks], pool_blocks, device), to_device([first], device),
                                  block_size)
     return BlockMask.from_kv_blocks(
-        torch.tensor([[list(map(len, partial))]], dtype=torch.int32, device=device),
+        to_device([[list(map(len, partial))]], device, torch.int32),
         blocks_tensor(partial, pool_blocks, device)[None, None],
-        torch.tensor([[whole]], dtype=torch.int32, device=device),
+        to_device([[whole]], device, torch.int32),
         blocks_tensor([blocks] * n_query_blocks, pool_blocks, device)[None, None],
         BLOCK_SIZE=(CHUNK_QUERY_BLOCK, block_size), mask_mod=mask_mod,
         seq_lengths=(length, pool_blocks * block_size), compute_q_blocks=False)
@@ -139,4 +139,4 @@ def blocks_tensor(rows: list[list[int]], width: int, device, pad: int = 0) -> to
     longest = max(map(len, rows))
     if longest:
         out[:, :longest] = torch.tensor([r + [pad] * (longest - len(r)) for r in rows], dtype=torch.int32)
-    return out.to(device)
+    return to_device(out, device)

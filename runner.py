@@ -6,7 +6,7 @@ plugs in), compiles the decode step and captures and replays its CUDA graphs."""
 import torch
 
 from attention import GatherAttention
-from batch import Batch
+from batch import Batch, to_device
 from flex_attention import FlexAttention
 from model import Transformer
 
@@ -83,14 +83,13 @@ class ModelRunner:
         """Logits (len(logits_at), vocab) of one pass over the sequences of batch."""
         if self.decode_buckets is not None and not batch.chunks and batch.n_decode <= self.decode_buckets[0][-1]:
             return self.bucketed_decode(batch)
-        logits_at = None if batch.logits_at is None else torch.tensor(batch.logits_at, device=self.device)
+        logits_at = None if batch.logits_at is None else to_device(batch.logits_at, self.device)
         run = self.compiled_decode if self.compiled_decode is not None and not batch.chunks else self.model
         return run(*self.model_inputs(batch), logits_at)
 
     def model_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, GatherAttention | FlexAttention]:
-        tokens = torch.tensor(batch.tokens, device=self.device)
-        positions = torch.tensor(batch.positions, device=self.device)
-        return tokens, positions, self.attention_metadata(batch, positions)
+        positions = to_device(batch.positions, self.device)
+        return batch.token_ids(self.device), positions, self.attention_metadata(batch, positions)
 
     def attention_metadata(self, batch: Batch, positions: torch.Tensor) -> GatherAttention | FlexAttention:
         """batch's attention metadata, for the backend that self.attention picks for it."""
@@ -119,12 +118,12 @@ class ModelRunner:
         pad, scratch = rows - n, self.num_blocks  # the block past the pool's (compile_decode)
         tables = [b + [0] * (width - len(b)) for b in batch.decode_blocks] + [[scratch] * width] * pad
         padded = Batch(tokens=batch.tokens + [0] * pad, positions=batch.positions + [padding_position] * pad,
-                       slots=batch.slots + [scratch * size] * pad, n_decode=rows, decode_blocks=tables)
+                       slots=batch.slots + [scratch * size] * pad, n_decode=rows, decode_blocks=tables,
+                       carried=batch.carried, carried_from=batch.carried_from)
         inputs = self.model_inputs(padded)
         torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs may be overwritten now
         logits = self.compiled_decode(*inputs, None)
-        wanted = torch.tensor(list(range(n) if batch.logits_at is None else batch.logits_at), dtype=torch.long,
-                              device=logits.device)
+        wanted = to_device(list(range(n) if batch.logits_at is None else batch.logits_at), logits.device)
         return logits[wanted]  # a copy: the graph's output buffer is overwritten by its next replay
 
     def compile_decode(self, cuda_graphs: bool = False, **options):

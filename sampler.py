@@ -5,6 +5,7 @@ temperature, top-k and top-p (sample), and the logprobs of the raw logits."""
 import torch
 import torch.nn.functional as F
 
+from batch import to_device
 from sequence import Sequence
 from structured import apply_bitmask
 
@@ -65,11 +66,11 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], bitmask: torch.Ten
         return logits
     logits = logits.clone()
     if biased:
-        logits[biased] += torch.stack([seqs[i].bias for i in biased])
+        logits[to_device(biased, logits.device)] += torch.stack([seqs[i].bias for i in biased])
     if penalized:
         params = [seqs[i].params for i in penalized]
-        settings = torch.tensor([[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params],
-                                dtype=logits.dtype, device=logits.device)
+        settings = to_device([[p.presence_penalty, p.frequency_penalty, p.repetition_penalty] for p in params],
+                             logits.device, logits.dtype)
         logits[penalized] = apply_penalties(logits[penalized], torch.stack([seqs[i].counts for i in penalized]),
                                             torch.stack([seqs[i].seen for i in penalized]), *settings.T)
     if bitmask is not None:
@@ -105,12 +106,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], drafts: list[int | None] 
     rows = [i for i, s in enumerate(seqs) if s.params.temperature > 0]
     if not rows:
         return tokens
-    params = [seqs[i].params for i in rows]
-    scaled = logits[rows] / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+    params, device = [seqs[i].params for i in rows], logits.device
+    index = to_device(rows, device)
+    scaled = logits[index] / to_device([p.temperature for p in params], device)[:, None]
     if any(p.top_k > 0 for p in params):
-        scaled = top_k_filter(scaled, torch.tensor([p.top_k for p in params], device=logits.device))
+        scaled = top_k_filter(scaled, to_device([p.top_k for p in params], device))
     probs = torch.softmax(scaled, dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=logits.device)[:, None]
+    top_p = to_device([p.top_p for p in params], device, probs.dtype)[:, None]
     probs_sort = torch.sort(probs, dim=-1, descending=True).values
     least = probs_sort.gather(-1, top_p_count(probs_sort, top_p) - 1)  # the top-p set's least probability
     kept = probs.masked_fill((probs < least) | (probs == 0), 0.0)
@@ -120,7 +122,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], drafts: list[int | None] 
                                         if drafts[i] is not None])
     q = torch.stack([torch.empty_like(probs[0]).exponential_(generator=seqs[i].generator) for i in rows])
     # masked after dividing: a draw of q = 0 makes 0 / 0
-    tokens[rows] = (kept / q).masked_fill_(kept == 0, -1.0).argmax(dim=-1)
+    tokens[index] = (kept / q).masked_fill_(kept == 0, -1.0).argmax(dim=-1)
     for j, token in accepted.items():
         tokens[rows[j]] = token
     return tokens

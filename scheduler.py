@@ -45,8 +45,9 @@ class Scheduler:
 
     @staticmethod
     def uncached(seq) -> int:
-        """The sequence's tokens not in the KV cache yet: what it still needs computed."""
-        return len(seq.prompt_tokens) + len(seq.tokens) - seq.cached
+        """The sequence's tokens not in the KV cache yet: what it still needs computed (a token
+        sampled ahead included: its id reaches the step on the device)."""
+        return len(seq.prompt_tokens) + len(seq.tokens) + seq.ahead - seq.cached
 
     def is_decode(self, w: Work) -> bool:
         """A single token that is the sequence's last: it goes in the batch's decode rows."""
@@ -61,6 +62,8 @@ class Scheduler:
         for decoding in (True, False):
             for seq in list(self.running):
                 if seq not in self.running or (self.uncached(seq) == 1) != decoding or budget <= 0:
+                    continue
+                if seq.ahead and seq.ending:  # its last token is on its way: nothing to compute
                     continue
                 n = min(self.uncached(seq) + (seq.draft_room if decoding else 0), budget)
                 seq.draft_room = max(0, n - self.uncached(seq))  # what the budget leaves for proposed tokens

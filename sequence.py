@@ -67,6 +67,7 @@ class Sequence:
     matcher: Matcher | None = None  # with params.constraint: where the tokens so far are in its grammar
     table: BlockTable | None = None  # set by the engine's scheduler
     cached: int = 0  # tokens whose keys and values are in the cache
+    ahead: int = 0  # tokens sampled whose ids are still on the device (asynchronous scheduling)
     # speculative decoding (speculative.py): how many proposed tokens this step may verify
     # (the scheduler reserves their blocks), the proposed tokens, the tokens whose keys
     # and values a draft model has in its own cache, and how much it proposes next
@@ -80,6 +81,11 @@ class Sequence:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def ending(self) -> bool:
+        """Whether the tokens sampled, on the host or not, reach max_gen_len: nothing more to compute."""
+        return len(self.tokens) + self.ahead >= self.params.max_gen_len
 
     @property
     def needs_prompt_logprobs(self) -> bool:

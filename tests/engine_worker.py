@@ -1,13 +1,14 @@
 """The engine workload of test_engine.py, in-process or as one tensor-parallel rank under
 torchrun (tests/torchrun.py):
 
-    engine_worker.py OUT_DIR FOLDER [constrained | speculative | flex]
+    engine_worker.py OUT_DIR FOLDER [constrained | speculative | flex | async]
 
 runs workload() on FOLDER (loaded with llama2.tp_llama on WORLD_SIZE ranks) once per entry
 of CONFIGS and saves {config: result} to OUT_DIR/rank{r}.pt; with constrained, runs
 constrained() (test_constrained.py's) alone and saves {"constrained": result}; with
 speculative, test_speculative.py's speculated() for each proposer, {method: result}; with
-flex, workload() for each of FLEX_CONFIGS and preempted() with FlexAttention (test_attention.py)."""
+flex, workload() for each of FLEX_CONFIGS and preempted() with FlexAttention (test_attention.py);
+with async, workload() for each of ASYNC_CONFIGS and mixed(), with asynchronous scheduling."""
 
 import os
 import sys
@@ -29,13 +30,13 @@ CONFIGS = [(caching, budget) for caching in (True, False) for budget in (16, 64,
 FLEX_CONFIGS = [(True, 16), (False, 64), (True, 0)]
 
 
-def workload(llama, caching: bool, budget: int, max_seqs: int = 4) -> dict:
+def workload(llama, caching: bool, budget: int, max_seqs: int = 4, **options) -> dict:
     """Sequences that share a system prompt, join at different steps, one leaving early,
     more of them than max_seqs, a long prompt, and a repeat of a whole prompt. Returns
     each sequence's tokens (in the order added), the scheduler's digest of its decisions,
-    and the prefix-cache counts."""
+    and the prefix-cache counts. options: more of Engine's."""
     engine = Engine(llama.runner, llama.tokenizer, max_seqs=max_seqs, max_batched_tokens=budget,
-                    prefix_caching=caching)
+                    prefix_caching=caching, **options)
     tok = llama.tokenizer
     prompts = [tok.encode(SYSTEM + q, bos=True, eos=False) for q in QUESTIONS] + \
         [tok.encode(LONG, bos=True, eos=False), tok.encode("Once upon a time", bos=True, eos=False)]
@@ -137,6 +138,49 @@ def preempted(llama) -> dict:
     return {"tokens": [s.tokens for s in seqs], "victims": victims}
 
 
+ASYNC_CONFIGS = [(True, 16), (False, 0)]
+
+
+def mixed(llama, async_scheduling: bool) -> dict:
+    """Requests of the kinds a server mixes, decoded by run(4) as a server's iterations do,
+    with a pool small enough to preempt: seeded draws at temperature 1; greedy ones ended by
+    a stop string, a stop id and max_gen_len; and ones whose sampling reads their tokens on
+    the host (penalties, logprobs, min_tokens), whose steps wait for them. The stop string
+    and id come from a greedy run of the first prompt. Returns each one's tokens, text,
+    finish reason and logprobs, the preemptions, and how many rows each step carried on the
+    device (asynchronous scheduling's)."""
+    tok = llama.tokenizer
+    prompts = [tok.encode(SYSTEM + q, bos=True, eos=False) for q in QUESTIONS]
+    probe = Engine(llama.runner, tok)
+    seq = probe.add(prompts[0], SamplingParams(max_gen_len=N_NEW, temperature=0, ignore_eos=True))
+    while probe.running:
+        probe.step()
+    stop_text = seq.text[len(seq.text) // 2:][:3]
+    settings = [dict(temperature=1.0, seed=1), dict(temperature=0, stop=(stop_text,)),
+                dict(temperature=1.0, seed=2, top_k=20), dict(temperature=0, stop_token_ids=(seq.tokens[5],)),
+                dict(temperature=0.8, seed=3, frequency_penalty=0.5), dict(temperature=0, max_gen_len=1),
+                dict(temperature=1.0, seed=4, logprobs=True, top_logprobs=2), dict(temperature=0, min_tokens=6),
+                dict(temperature=1.0, seed=5, top_p=0.8, logit_bias={seq.tokens[2]: 3.0})]
+    max_seq_len = llama.runner.max_seq_len
+    llama.runner.allocate(max_seq_len=64, num_blocks=10)  # 4 blocks a sequence: 2 or 3 fit
+    engine = Engine(llama.runner, tok, max_seqs=4, max_batched_tokens=32, async_scheduling=async_scheduling)
+    carried, forward = [], llama.runner.forward_batch
+    llama.runner.forward_batch = lambda batch: carried.append(len(batch.carried)) or forward(batch)
+    try:
+        seqs = [engine.add(prompts[i % len(prompts)], SamplingParams(**({"max_gen_len": 2 * N_NEW} | s)))
+                for i, s in enumerate(settings)]
+        while engine.running:
+            engine.run(4)
+    finally:
+        llama.runner.forward_batch = forward
+        llama.runner.allocate(max_seq_len=max_seq_len, num_blocks=None)
+    assert engine.pool.num_used == 0
+    return {"tokens": [s.tokens for s in seqs], "texts": [s.text for s in seqs],
+            "finish_reasons": [s.finish_reason for s in seqs], "logprobs": [s.logprobs for s in seqs],
+            "preemptions": engine.scheduler.preemptions, "carried": carried,
+            "digest": engine.scheduler.digest.hexdigest()}
+
+
 def budgeted(llama, slow: bool) -> dict:
     """One sequence decoded by run(16, seconds) until done (seconds: about 4 steps at rank 0's
     first pace), this rank's pace taken as three times what it measured when slow (as if the ranks' clocks disagreed), and the same
@@ -169,6 +213,9 @@ def main():
         draft = draft_model(folder, world_size)
         draft.allocate(num_blocks=llama.runner.num_blocks)
         result = {"ngram": speculated(llama, NgramProposer()), "draft": speculated(llama, DraftProposer(draft))}
+    elif mode == ["async"]:
+        result = {config: workload(llama, *config, async_scheduling=True) for config in ASYNC_CONFIGS}
+        result["mixed"] = mixed(llama, async_scheduling=True)
     elif mode == ["flex"]:
         llama.runner.attention = "flex"
         result = {config: workload(llama, *config) for config in FLEX_CONFIGS} | {"preempted": preempted(llama)}
