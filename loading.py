@@ -31,11 +31,13 @@ def load(config: ServingConfig, model_dir: str, batch_size: int, world_size: int
                 chat_format.format_name(llama.tokenizer))
     runner = llama.runner
     run = config.resolve(Machine.here(runner.device.type == "cuda", batch_size, world_size))
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MB on this rank), prefix caching %s, attention %s, %s",
-                runner.num_blocks, runner.block_size, runner.kv_cache_bytes() / 1e6,
-                "on" if config.prefix_caching else "off", runner.attention, run)
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MB on this rank), prefix caching %s, attention %s, "
+                "async scheduling %s, %s", runner.num_blocks, runner.block_size, runner.kv_cache_bytes() / 1e6,
+                "on" if config.prefix_caching else "off", runner.attention,
+                "on" if config.async_scheduling else "off", run)
     engine = Engine(runner, llama.tokenizer, batch_size, run.max_batched_tokens, config.prefix_caching,
-                    threaded=run.overlap, speculation=speculation(config, model_dir, llama, world_size, progress))
+                    threaded=run.overlap, speculation=speculation(config, model_dir, llama, world_size, progress),
+                    async_scheduling=config.async_scheduling)
     if config.compile:  # on the thread that will run the steps
         start = time.perf_counter()
         engine.start(runner.compile_decode)

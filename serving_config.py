@@ -97,6 +97,8 @@ class ServingConfig:
     steps_per_iteration: Auto | int = setting(AUTO, "auto or a whole number >= 1",
                                               lambda value: value == AUTO or whole(value, 1))
     prefix_caching: bool = setting(True, "true or false", flag)
+    # a step starts before the host has the last one's tokens (engine.py, Engine.step)
+    async_scheduling: bool = setting(False, "true or false", flag)
     quantization: str = setting("none", f"none, {', '.join(quant.MODES[:-1])} or {quant.MODES[-1]}",
                                 one_of("none", *quant.MODES))
     limits: Limits = field(default_factory=Limits)
@@ -107,6 +109,9 @@ class ServingConfig:
         refuse_bad_settings(self, "handler.")
         if self.kv_cache_memory and self.kv_cache_bytes:
             raise ValueError("give handler.kv_cache_bytes or handler.kv_cache_memory, not both")
+        if self.async_scheduling and self.speculative.method != "off":
+            raise ValueError("handler.async_scheduling cannot run with handler.speculative: proposing tokens "
+                             "needs the last ones on the host")
         for name in ("limits", "defaults"):
             section = getattr(self, name)
             for f in fields(section):

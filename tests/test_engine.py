@@ -63,6 +63,7 @@ class FakeSeq:
         self.id, self.prompt_tokens, self.tokens = id, list(prompt), [0] * generated
         self.needs_prompt_logprobs = False
         self.draft_room = 0  # no speculative decoding
+        self.ahead = 0  # no asynchronous scheduling
 
 
 def test_scheduler_budget_decodes_first_and_chunks():

@@ -37,6 +37,9 @@ def refusal(handler=None, **top) -> str:
     ({"steps_per_iteration": 0}, "handler.steps_per_iteration must be auto or a whole number >= 1, got 0"),
     ({"attention": "paged"}, "handler.attention must be auto, flex or sdpa, got 'paged'"),
     ({"kv_cache_memory": 1.5}, "handler.kv_cache_memory must be a number from 0 to 1, got 1.5"),
+    ({"async_scheduling": "yes"}, "handler.async_scheduling must be true or false, got 'yes'"),
+    ({"async_scheduling": True, "speculative": {"method": "ngram"}}, "handler.async_scheduling cannot run with "
+     "handler.speculative: proposing tokens needs the last ones on the host"),
     ({"kv_cache_memory": "90%"}, "handler.kv_cache_memory must be a number from 0 to 1, got '90%'"),
     ({"kv_cache_memory": 0.9, "kv_cache_bytes": 1 << 20}, "give handler.kv_cache_bytes or handler.kv_cache_memory, "
                                                          "not both"),
@@ -58,7 +61,7 @@ def test_unknown_keys_are_refused_by_name():
         "unknown keys in the handler section of model-config.yaml: handler.overlapp, handler.speed (the keys are "
         "checkpoint, tokenizer, max_seq_len, dtype, compile, kv_cache_bytes, kv_cache_memory, attention, "
         "max_batched_tokens, overlap, "
-        "steps_per_iteration, prefix_caching, quantization, limits, defaults, speculative)")
+        "steps_per_iteration, prefix_caching, async_scheduling, quantization, limits, defaults, speculative)")
     assert refusal({"limits": {"max_tokens": 9}}) == "handler.limits: unknown keys ['max_tokens']"
 
 
