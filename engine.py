@@ -253,7 +253,7 @@ class Engine:
     def sample_ahead(self, seqs: list[Sequence], logits: torch.Tensor, rows: list[int]) -> "Ahead":
         """Each sequence's next token (rank 0's on every rank), sampled on the device and left
         there, with its copy to the host started."""
-        tokens = sample(adjust_logits(logits[to_device(rows, logits.device)], seqs), seqs)
+        tokens = sample(adjust_logits(logits[to_device(rows, logits.device, torch.long)], seqs), seqs)
         if collectives.tp_world()[1] > 1:
             collectives.broadcast(tokens, src=0)
         for seq in seqs:

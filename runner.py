@@ -83,7 +83,7 @@ class ModelRunner:
         """Logits (len(logits_at), vocab) of one pass over the sequences of batch."""
         if self.decode_buckets is not None and not batch.chunks and batch.n_decode <= self.decode_buckets[0][-1]:
             return self.bucketed_decode(batch)
-        logits_at = None if batch.logits_at is None else to_device(batch.logits_at, self.device)
+        logits_at = None if batch.logits_at is None else to_device(batch.logits_at, self.device, torch.long)
         run = self.compiled_decode if self.compiled_decode is not None and not batch.chunks else self.model
         return run(*self.model_inputs(batch), logits_at)
 
@@ -123,7 +123,7 @@ class ModelRunner:
         inputs = self.model_inputs(padded)
         torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs may be overwritten now
         logits = self.compiled_decode(*inputs, None)
-        wanted = to_device(list(range(n) if batch.logits_at is None else batch.logits_at), logits.device)
+        wanted = to_device(list(range(n) if batch.logits_at is None else batch.logits_at), logits.device, torch.long)
         return logits[wanted]  # a copy: the graph's output buffer is overwritten by its next replay
 
     def compile_decode(self, cuda_graphs: bool = False, **options):

@@ -50,7 +50,9 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tools"), os.path.join(ROOT, "tests"), 
 import generate  # noqa: E402
 import llama2  # noqa: E402
 import quant  # noqa: E402
+from engine import Engine  # noqa: E402
 from runner import ModelRunner  # noqa: E402
+from sequence import SamplingParams  # noqa: E402
 from tp_decode import generate_tokens_per_s, step_bytes, step_ms, sync  # noqa: E402
 
 TOKENIZER = os.path.join(ROOT, "demo", "tokenizer.model")
@@ -276,7 +278,28 @@ def speed(dry: bool, quantization: str, modes: list[str]) -> bool | None:
             print(f"{quantization} {mode} batch {batch}: generate {tps:,.0f} tokens/s, decode step {step:.2f} ms "
                   f"({batch * 1e3 / step:,.0f} tokens/s); roofline {roof:,.0f} tokens/s: generate at "
                   f"{100 * tps / roof:.0f}%, step at {100 * batch * 1e3 / step / roof:.0f}%")
+            served = {a: engine_tokens_per_s(runner, batch, steps, reps, a) for a in (False, True)}
+            print(f"{quantization} {mode} batch {batch}: Engine.run(16) {served[False]:,.0f} tokens/s, with "
+                  f"async scheduling {served[True]:,.0f} ({served[True] / served[False]:.2f}x); 1 / step at "
+                  f"{100 * served[False] * step / batch / 1e3:.0f}% and {100 * served[True] * step / batch / 1e3:.0f}%")
     return True
+
+
+def engine_tokens_per_s(runner: ModelRunner, batch: int, new: int, reps: int, async_scheduling: bool) -> float:
+    """Tokens per second of the serving engine decoding batch requests of new greedy tokens
+    in runs of 16 steps (a TorchServe iteration's), with or without asynchronous scheduling."""
+    best = 0.0
+    for _ in range(reps):
+        engine = Engine(runner, NullTokenizer, max_seqs=batch, async_scheduling=async_scheduling)
+        for i in range(batch):
+            engine.add([1 + i, 2, 3, 4], SamplingParams(max_gen_len=new, temperature=0))
+        sync(runner.device)
+        start = time.perf_counter()
+        while engine.running:
+            engine.run(16)
+        sync(runner.device)
+        best = max(best, batch * new / (time.perf_counter() - start))
+    return best
 
 
 # --- attention --------------------------------------------------------------------------

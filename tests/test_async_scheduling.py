@@ -89,3 +89,16 @@ def test_tp2_ranks_agree_and_give_tp1s_tokens(synchronous, tmp_path):
         for config in ASYNC_CONFIGS:
             assert_same_workload(rank[config], synchronous[config])
         assert_same_mixed(rank["mixed"], synchronous["mixed"])
+
+
+@pytest.mark.slow  # torch.compile
+def test_carried_tokens_reach_the_cuda_graph_steps():
+    """The padded decode steps that CUDA graphs replay (compile_decode(cuda_graphs=True), run
+    compiled on the CPU) take the carried tokens too: the same tokens as without."""
+    import torch
+
+    torch._dynamo.reset()  # one compiled model per process (runner.compile_decode)
+    graphs = llama2.tp_llama(None, DEMO, None, 1, max_batch_size=4, max_seq_len=256)
+    graphs.runner.compile_decode(cuda_graphs=True)
+    for config in ASYNC_CONFIGS:
+        assert_same_workload(workload(graphs, *config, async_scheduling=True), workload(graphs, *config))
