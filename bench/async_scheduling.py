@@ -11,12 +11,9 @@ forward pass blocks the host, so there is nothing to overlap: this shows what th
 bookkeeping costs. Writes its table into BENCHMARKS.md (asynchronous scheduling).
 """
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 
 import report
 
@@ -52,19 +49,11 @@ print(json.dumps(out))
 
 
 def tokens_per_s(setting: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", CHILD, ROOT, setting, json.dumps(BATCHES), str(NEW_TOKENS)],
-                          capture_output=True, text=True, env=env)
-    if done.returncode:
-        raise RuntimeError(done.stderr[-3000:])
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return report.fresh_process(CHILD, ROOT, setting, json.dumps(BATCHES), str(NEW_TOKENS))
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--no-write", action="store_true")
-    a = ap.parse_args()
+    a = report.rounds_arguments(__doc__)
     runs = {"off": [], "on": []}
     for r in range(a.rounds):
         for setting in runs:

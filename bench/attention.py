@@ -13,12 +13,9 @@ compared. The cache holds junk: a step's time does not depend on the values. Wri
 table into BENCHMARKS.md (attention backends).
 """
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 
 import report
 
@@ -69,19 +66,11 @@ print(json.dumps(out))
 
 
 def step_ms(backend: str, mode: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", CHILD, ROOT, backend, mode, json.dumps(CASES)],
-                          capture_output=True, text=True, env=env)
-    if done.returncode:
-        raise RuntimeError(done.stderr[-3000:])
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return report.fresh_process(CHILD, ROOT, backend, mode, json.dumps(CASES))
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--no-write", action="store_true")
-    a = ap.parse_args()
+    a = report.rounds_arguments(__doc__)
     runs = {(backend, mode): [] for mode in ("eager", "compiled") for backend in BACKENDS}
     for r in range(a.rounds):
         for key in runs:

@@ -1,6 +1,9 @@
-"""What the benchmarks share: the machine they ran on, and their sections of BENCHMARKS.md."""
+"""What the benchmarks share: the machine they ran on, their sections of BENCHMARKS.md, fresh
+processes to measure in, and the rounds' arguments."""
 
+import argparse
 import datetime
+import json
 import os
 import platform
 import re
@@ -56,3 +59,21 @@ def write_section(name: str, text: str):
         doc = doc.rstrip("\n") + "\n\n" + block + "\n"
     with open(BENCHMARKS, "w") as f:
         f.write(doc)
+
+
+def fresh_process(code: str, *args: str) -> dict:
+    """What python -c code args prints last, as JSON: a measurement in a process of its own,
+    on one thread."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def rounds_arguments(doc: str) -> argparse.Namespace:
+    """--rounds (fresh processes per setting, alternating) and --no-write (print only)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-write", action="store_true")
+    return ap.parse_args()
