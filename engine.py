@@ -210,18 +210,16 @@ class Engine:
             if completes(w) and seq.params.max_gen_len == 0:
                 seq.finish_reason = "length"  # a prompt to score, nothing to generate
             seq.cached += w.n - len(seq.draft)  # a proposed token's entry counts once it is accepted
-        previous = self.ahead
+        previous = self.ahead  # None unless deferred (may_run_ahead)
         if deferred:
             self.ahead = self.sample_ahead(seqs, logits, sample_rows) if seqs else None
         else:
-            self.ahead = None
-            news |= self.settle(previous)  # its tokens come before this step's
             self.advance(seqs, logits, sample_rows, masks)
         for w in work:
             self.after_step(w.seq)
             if not w.seq.ahead:  # else its news comes with its token
                 news |= w.seq.done or len(w.seq.sampled) == 1
-        return (deferred and self.settle(previous)) or news
+        return self.settle(previous) or news
 
     def after_step(self, seq: Sequence):
         """Its blocks as its tokens on the host now stand: those of rejected proposals go back,
@@ -245,8 +243,11 @@ class Engine:
 
     def may_run_ahead(self) -> bool:
         """Whether the next step may start with the last step's tokens still on the device:
-        every decoding sequence has a block for its next token, so that none is preempted (its
-        recomputed tokens would include one the host does not have)."""
+        every sequence it may sample for runs ahead (else it samples on the host, after the
+        last step's tokens), and every decoding sequence has a block for its next token, so
+        that none is preempted (its recomputed tokens would include one the host lacks)."""
+        if not all(map(self.runs_ahead, itertools.chain(self.scheduler.running, self.scheduler.waiting))):
+            return False
         needed = sum(s.table.blocks_for(s.cached + 1) for s in self.scheduler.running)
         return needed <= self.pool.num_free
 
