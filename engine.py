@@ -153,7 +153,10 @@ class Engine:
         pace of the last run's steps, but at least min_steps. Fewer when a step gives a
         sequence its first token or ends one (whoever waits for it hears at once) or leaves
         nothing to run. The same on every rank: the count is rank 0's, and the rest depends
-        on the sequences only. Returns the steps taken."""
+        on the sequences only. Returns the steps taken. With asynchronous scheduling, the last
+        step's tokens may still be on the device when it returns (a server's iteration of one
+        step still overlaps the host's work): the next run's first step appends them, and a
+        sequence ended by one of them ends then."""
         if seconds:
             max_steps = self.steps_within(seconds, min_steps, max_steps)
         begin = time.perf_counter()
@@ -162,7 +165,6 @@ class Engine:
             n += 1
             if self.step() or not self.running:
                 break
-        self.catch_up()  # whoever reads the sequences next sees all their tokens
         self.pace = (time.perf_counter() - begin) / n
         return n
 

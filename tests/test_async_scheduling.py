@@ -10,6 +10,7 @@ import llama2
 from conftest import DEMO
 from engine import Engine
 from engine_worker import ASYNC_CONFIGS, mixed, workload
+from generate import generate
 from sequence import SamplingParams
 from torchrun import run
 
@@ -61,23 +62,29 @@ def test_mixed_requests_equal_the_synchronous_loops(llama, synchronous):
     assert_same_mixed(mixed(llama, True), reference)
 
 
-def test_a_token_past_the_end_is_never_computed(llama):
-    """A sequence whose last token (max_gen_len) is still on the device gets no step of its
-    own: the positions it computes stay within prompt + max_gen_len (the KV cache's bound)."""
+def test_runs_of_one_step_run_ahead_and_never_compute_past_the_end(llama):
+    """run(1), a server's iteration on a GPU, leaves the step's tokens on the device, and the
+    next run's step reads them there; the text lags a step, then is whole. A sequence whose
+    last token (max_gen_len) is still on the device gets no step of its own: the positions it
+    computes stay within prompt + max_gen_len (the KV cache's bound)."""
     tok = llama.tokenizer
     prompt = tok.encode("Once upon a time", bos=True, eos=False)
+    params = SamplingParams(max_gen_len=5, temperature=0, ignore_eos=True)
     engine = Engine(llama.runner, tok, async_scheduling=True)
     passes, forward = [], llama.runner.forward_batch
-    llama.runner.forward_batch = lambda batch: passes.append(batch.positions) or forward(batch)
+    llama.runner.forward_batch = lambda batch: passes.append((batch.positions, len(batch.carried))) or forward(batch)
     try:
-        seq = engine.add(prompt, SamplingParams(max_gen_len=5, temperature=0, ignore_eos=True))
+        seq, lengths = engine.add(prompt, params), []
         while engine.running:
-            engine.run(20)
+            engine.run(1)
+            lengths.append(len(seq.tokens))
     finally:
         llama.runner.forward_batch = forward
-    assert len(seq.tokens) == 5 and seq.finish_reason == "length"
-    assert len(passes) == 5 and max(passes[-1]) == len(prompt) + 3  # the prefill, then 4 decodes
-    assert engine.pool.num_used == 0 and engine.ahead is None
+    assert seq.tokens == generate(llama, [prompt], 5, temperature=0, ignore_eos=True)[0][0]
+    assert seq.finish_reason == "length"
+    assert [carried for _, carried in passes] == [0, 1, 1, 1, 1]  # the prefill, then 4 decodes
+    assert max(passes[-1][0]) == len(prompt) + 3 and lengths == [0, 1, 2, 3, 4, 5]
+    assert engine.pool.num_used == 0
 
 
 @pytest.mark.slow

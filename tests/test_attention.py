@@ -163,16 +163,21 @@ def test_compiled_auto_switches_backends_as_eager_sdpa_does(checkpoints):
 
 @pytest.mark.slow  # a TorchServe
 def test_torchserve_with_flex_answers_as_in_process(tmp_path, demo_llama):
-    """handler.attention: flex on a TP=2 TorchServe, with asynchronous scheduling (its 4 steps
-    an iteration run ahead): its workers attend with FlexAttention (their log says so) and
-    answer greedy prompts, one of them long, as the model in this process does."""
+    """handler.attention: flex on a TP=2 TorchServe, with asynchronous scheduling, one step an
+    iteration (each iteration's tokens reach the host in the next): its workers attend with
+    FlexAttention (their log says so) and answer greedy prompts, one of them long, as the
+    model in this process does, whole and streamed, with a stop string too."""
     prompts = ["The secret of a happy life is", "Once upon a time", "A long prompt: " + " ".join(map(str, range(90)))]
-    server = start_demo_server(tmp_path, attention="flex", async_scheduling=True, steps_per_iteration=4)
+    expected = demo_llama.text_completion(prompts, 24, temperature=0)
+    stop = expected[0]["generation"][10:14]
+    stopped = demo_llama.text_completion(prompts[:1], 24, temperature=0, stop=[stop])[0]
+    server = start_demo_server(tmp_path, attention="flex", async_scheduling=True, steps_per_iteration=1)
     try:
         answers = server.generate({"prompt": prompts, "temperature": 0, "max_new_tokens": 24})
+        chunks = server.stream({"prompt": prompts[0], "temperature": 0, "max_new_tokens": 24, "stop": stop})
         log = server.log()
     finally:
         server.stop()
-    expected = demo_llama.text_completion(prompts, 24, temperature=0)
     assert [a["generation"] for a in answers] == [e["generation"] for e in expected]
+    assert "".join(c["text"] for c in chunks) == stopped["generation"] and chunks[-1]["finish_reason"] == "stop"
     assert "prefix caching on, attention flex, async scheduling on," in log
