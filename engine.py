@@ -207,7 +207,7 @@ class Engine:
         logits = self.runner.forward_batch(batch)
         for w, (first, last) in zip(work, rows):
             seq = w.seq
-            if scores_prompt(seq):
+            if seq.scores_prompt:
                 self.add_prompt_logprobs(seq, logits[first:last])
             if completes(w) and seq.params.max_gen_len == 0:
                 seq.finish_reason = "length"  # a prompt to score, nothing to generate
@@ -278,7 +278,7 @@ class Engine:
             if seq.done or seq not in self.scheduler.running:  # it ended (or left) the step before
                 continue
             seq.ahead -= 1
-            self.append(seq, token)
+            seq.append(token)
             self.after_step(seq)
             news |= seq.done or len(seq.sampled) == 1
         return news
@@ -299,7 +299,7 @@ class Engine:
         rows = []
         for w in work:
             seq = w.seq
-            tokens = tokens_between(seq, seq.cached, seq.cached + w.n - len(seq.draft)) + seq.draft
+            tokens = seq.tokens_between(seq.cached, seq.cached + w.n - len(seq.draft)) + seq.draft
             if seq.ahead:  # its token, sampled by the step before, is on the device
                 batch.add([0], seq.cached, seq.table.blocks, self.pool.block_size, decode=True)
                 batch.carry(self.ahead.index[seq], self.ahead.tokens)
@@ -310,7 +310,7 @@ class Engine:
                 batch.add(tokens, seq.cached, seq.table.blocks, self.pool.block_size, self.scheduler.is_decode(w))
             index = len(batch.tokens) - w.n
             # a proposed token's row verifies the next one (speculative.py)
-            scored = w.n if scores_prompt(seq) else 1 + len(seq.draft)
+            scored = w.n if seq.scores_prompt else 1 + len(seq.draft)
             wanted = range(index + w.n - scored, index + w.n)
             rows.append((len(batch.logits_at), len(batch.logits_at) + len(wanted)))
             batch.logits_at += wanted
@@ -381,34 +381,9 @@ class Engine:
             chosen, top = token_logprobs(logits, tokens, max(asked))
         for i, (s, token) in enumerate(zip(seqs, tokens.tolist())):
             if s.params.logprobs:
-                self.append(s, token, chosen[i], top[i][:s.params.top_logprobs])
+                s.append(token, chosen[i], top[i][:s.params.top_logprobs])
             else:
-                self.append(s, token)
-
-    def append(self, seq: Sequence, token: int, logprob: float | None = None, top: list | None = None):
-        offset = len(seq.text)  # where its text starts (a character it ends is held back until then)
-        if token in seq.stop_ids:
-            seq.stop_token = token
-            finish(seq, "stop")
-            offset = len(seq.text)  # it adds no text
-        else:
-            seq.tokens.append(token)
-            if seq.counts is not None:
-                seq.counts[token] += 1
-                seq.seen[token] = True
-            seq.add_text(seq.stream.add(token))
-            complete = False
-            if seq.matcher is not None:  # on every rank: they agree on when the grammar is finished
-                seq.matcher.consume(token)
-                complete = seq.matcher.is_finished()
-            if complete:
-                finish(seq, "stop")  # nothing but a stop id could follow
-            elif len(seq.tokens) >= seq.params.max_gen_len:
-                finish(seq, "length")
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-            seq.top_logprobs.append(top)
-            seq.text_offsets.append(offset)
+                s.append(token)
 
 
 class Ahead:
@@ -432,15 +407,6 @@ class Ahead:
         return self.host.tolist()
 
 
-def finish(seq: Sequence, reason: str):
-    """End seq with reason, the text its stream held back flushed (a stop string in that text
-    ends it with "stop" first)."""
-    if not seq.done:
-        seq.add_text(seq.stream.flush())
-    if not seq.done:
-        seq.finish_reason = reason
-
-
 def filled(bitmask: torch.Tensor, rows: list[tuple[Matcher, int]]) -> torch.Tensor:
     structured.fill_bitmasks(bitmask, rows)
     return bitmask
@@ -448,24 +414,9 @@ def filled(bitmask: torch.Tensor, rows: list[tuple[Matcher, int]]) -> torch.Tens
 
 def completes(w: Work) -> bool:
     """Whether w computes its sequence's last pending token, after which a token is due."""
-    return w.seq.cached + w.n >= len(w.seq.prompt_tokens) + len(w.seq.tokens)
+    return w.n >= Scheduler.uncached(w.seq)
 
 
 def use_device(device: torch.device):
     if device.type == "cuda":  # a new thread's current device is cuda:0
         torch.cuda.set_device(device)
-
-
-def scores_prompt(seq: Sequence) -> bool:
-    """Whether the tokens computed for seq score its prompt (every row's logits): echo with
-    logprobs, until each prompt token has its logprob. A preempted sequence's recomputed
-    prompt is not scored again, so that its logprobs come once."""
-    return seq.needs_prompt_logprobs and len(seq.prompt_logprobs) < len(seq.prompt_tokens)
-
-
-def tokens_between(seq: Sequence, start: int, end: int) -> list[int]:
-    """seq's tokens (prompt, then generated) from start to end, without joining the lists."""
-    n = len(seq.prompt_tokens)
-    if start >= n:
-        return seq.tokens[start - n:end - n]
-    return seq.prompt_tokens[start:end] + seq.tokens[:max(0, end - n)]

@@ -53,18 +53,36 @@ class FlexAttention:
         store(cache_k, cache_v, self.slots, xk, xv)
         n_kv, head_dim = cache_k.shape[0], cache_k.shape[-1]
         keys, values = (cache.view(1, n_kv, -1, head_dim) for cache in (cache_k, cache_v))
-        gqa = xq.shape[1] != n_kv
-
-        def flex(start: int, length: int, mask: BlockMask) -> torch.Tensor:
-            # scaled here, so that q is a buffer of its own: compiled on CPU, flex cannot take a
-            # view of the rotated heads (a copy is elided)
-            q = xq[start:start + length].transpose(0, 1).unsqueeze(0) * head_dim ** -0.5
-            return compiled_flex(q, keys, values, block_mask=mask, scale=1.0, enable_gqa=gqa)[0].transpose(0, 1)
-
-        parts = [flex(0, self.n_decode, self.decode_mask)] if self.n_decode else []
+        if self.n_decode and keys.device.type == "cpu" and not torch.compiler.is_compiling():
+            warm_decode(xq, keys, values, cache_k.shape[2])
+        parts = [flex(xq[:self.n_decode], keys, values, self.decode_mask)] if self.n_decode else []
         for start, length, mask in self.chunks:
-            parts.append(causal(xq, xk, xv, start, length) if mask is None else flex(start, length, mask))
+            parts.append(causal(xq, xk, xv, start, length) if mask is None
+                         else flex(xq[start:start + length], keys, values, mask))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def flex(xq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: BlockMask) -> torch.Tensor:
+    """Queries (tokens, heads, head_dim) over the pool's keys and values (1, kv heads, slots,
+    head_dim) through mask -> (tokens, heads, head_dim)."""
+    # scaled here, so that q is a buffer of its own: compiled on CPU, flex cannot take a view
+    # of the rotated heads (a copy is elided)
+    q = xq.transpose(0, 1).unsqueeze(0) * xq.shape[-1] ** -0.5
+    gqa = xq.shape[1] != keys.shape[1]
+    return compiled_flex(q, keys, values, block_mask=mask, scale=1.0, enable_gqa=gqa)[0].transpose(0, 1)
+
+
+def warm_decode(xq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_size: int):
+    """Before compiled_flex's first graph: compile it for one decode row, then two. Compiled
+    first for some other counts (16 or 64 rows), inductor's CPU template generates C++ that
+    does not compile (torch 2.13); the dynamic graph that two rows compile serves every count."""
+    if torch._dynamo.eval_frame._debug_get_cache_entry_list(flex_attention.__code__):
+        return
+    pool_blocks = keys.shape[2] // block_size
+    for rows in (1, 2):
+        positions = torch.zeros(rows, dtype=torch.long, device=keys.device)
+        flex(torch.zeros_like(xq[:1]).expand(rows, -1, -1).contiguous(), keys, values,
+             decode_block_mask([[0]] * rows, positions, block_size, pool_blocks))
 
 
 def decode_block_mask(tables: list[list[int]], positions: torch.Tensor, block_size: int,

@@ -92,6 +92,55 @@ class Sequence:
         return self.params.logprobs and self.params.echo
 
     @property
+    def scores_prompt(self) -> bool:
+        """Whether the tokens computed for it score its prompt (every row's logits): echo with
+        logprobs, until each prompt token has its logprob. A preempted sequence's recomputed
+        prompt is not scored again, so that its logprobs come once."""
+        return self.needs_prompt_logprobs and len(self.prompt_logprobs) < len(self.prompt_tokens)
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """Its tokens (prompt, then generated) from start to end, without joining the lists."""
+        n = len(self.prompt_tokens)
+        if start >= n:
+            return self.tokens[start - n:end - n]
+        return self.prompt_tokens[start:end] + self.tokens[:max(0, end - n)]
+
+    def append(self, token: int, logprob: float | None = None, top: list | None = None):
+        """A sampled token (with its logprob and top logprobs where asked for): its text, the
+        sampling state it changes (penalties' counts, the grammar), and the end it may bring."""
+        offset = len(self.text)  # where its text starts (a character it ends is held back until then)
+        if token in self.stop_ids:
+            self.stop_token = token
+            self.finish("stop")
+            offset = len(self.text)  # it adds no text
+        else:
+            self.tokens.append(token)
+            if self.counts is not None:
+                self.counts[token] += 1
+                self.seen[token] = True
+            self.add_text(self.stream.add(token))
+            complete = False
+            if self.matcher is not None:  # on every rank: they agree on when the grammar is finished
+                self.matcher.consume(token)
+                complete = self.matcher.is_finished()
+            if complete:
+                self.finish("stop")  # nothing but a stop id could follow
+            elif len(self.tokens) >= self.params.max_gen_len:
+                self.finish("length")
+        if logprob is not None:
+            self.logprobs.append(logprob)
+            self.top_logprobs.append(top)
+            self.text_offsets.append(offset)
+
+    def finish(self, reason: str):
+        """End it with reason, the text its stream held back flushed (a stop string in that
+        text ends it with "stop" first)."""
+        if not self.done:
+            self.add_text(self.stream.flush())
+        if not self.done:
+            self.finish_reason = reason
+
+    @property
     def sampled(self) -> list[int]:
         """Every sampled token: tokens, then the stop id that ended it (what vLLM returns)."""
         return self.tokens + ([] if self.stop_token is None else [self.stop_token])

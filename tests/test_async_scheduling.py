@@ -106,6 +106,11 @@ def test_carried_tokens_reach_the_cuda_graph_steps():
 
     torch._dynamo.reset()  # one compiled model per process (runner.compile_decode)
     graphs = llama2.tp_llama(None, DEMO, None, 1, max_batch_size=4, max_seq_len=256)
-    graphs.runner.compile_decode(cuda_graphs=True)
-    for config in ASYNC_CONFIGS:
-        assert_same_workload(workload(graphs, *config, async_scheduling=True), workload(graphs, *config))
+    try:
+        graphs.runner.compile_decode(cuda_graphs=True)
+        for config in ASYNC_CONFIGS:
+            assert_same_workload(workload(graphs, *config, async_scheduling=True), workload(graphs, *config))
+    finally:
+        # the next tests' models compile anew: flex_attention compiled again for another
+        # model's shapes after these graphs failed in inductor's CPU template (torch 2.13)
+        torch._dynamo.reset()

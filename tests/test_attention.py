@@ -4,6 +4,7 @@ after a cached prefix, shared prefix blocks and decoding rows at their own posit
 the engine's greedy tokens with prefix caching, chunked prefill and preemption, at TP 1
 and 2; auto picks flex for the steps that would gather many cached tokens."""
 
+import os
 import random
 
 import pytest
@@ -181,3 +182,35 @@ def test_torchserve_with_flex_answers_as_in_process(tmp_path, demo_llama):
     assert [a["generation"] for a in answers] == [e["generation"] for e in expected]
     assert "".join(c["text"] for c in chunks) == stopped["generation"] and chunks[-1]["finish_reason"] == "stop"
     assert "prefix caching on, attention flex, async scheduling on," in log
+
+
+FIRST_FLEX_STEP = """
+import sys
+sys.path[:0] = [sys.argv[1]]
+import llama2
+from batch import Batch
+from tp_worker import max_diff
+logits = {}
+for attention in ("flex", "sdpa"):
+    runner = llama2.tp_llama(None, sys.argv[2], None, 1, max_batch_size=16, max_seq_len=64, attention=attention).runner
+    batch = Batch(tokens=[], positions=[], slots=[])
+    for row in range(16):  # 16 decode rows of 40 tokens: the count whose graph failed in inductor
+        batch.add([5 + row], 39, [3 * row, 3 * row + 1, 3 * row + 2], runner.block_size, decode=True)
+    logits[attention] = runner.forward_batch(batch)
+print(max_diff(logits["flex"], logits["sdpa"]))
+"""
+
+
+def test_a_process_whose_first_flex_step_decodes_16_rows():
+    """In a fresh process, eager, the first FlexAttention step decodes 16 rows: compiled first
+    for that count, inductor's CPU template generated C++ that did not compile (torch 2.13),
+    so flex_attention.warm_decode compiles it for one row and two first."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    done = subprocess.run([sys.executable, "-c", FIRST_FLEX_STEP, ROOT, DEMO], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests")))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.split()[-1]) < 1e-4
