@@ -273,9 +273,9 @@ class Engine:
         ended it."""
         if ahead is None:
             return False
-        news = False
+        news, running = False, set(self.scheduler.running)
         for seq, token in zip(ahead.seqs, ahead.on_host()):
-            if seq.done or seq not in self.scheduler.running:  # it ended (or left) the step before
+            if seq.done or seq not in running:  # it ended (or left) the step before
                 continue
             seq.ahead -= 1
             seq.append(token)

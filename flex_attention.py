@@ -28,6 +28,7 @@ class FlexAttention:
     n_decode: int
     decode_mask: BlockMask | None
     chunks: list[tuple[int, int, BlockMask | None]]  # (start, length, mask)
+    warm: bool = False  # decode rows before compiled_flex has a graph, on the CPU (warm_decode)
 
     @classmethod
     def build(cls, batch: Batch, positions: torch.Tensor, block_size: int, pool_blocks: int) -> "FlexAttention":
@@ -45,7 +46,8 @@ class FlexAttention:
                 mask = chunk_block_mask(blocks, first, length, block_size, pool_blocks, positions.device)
             chunks.append((start, length, mask))
             start += length
-        return cls(to_device(batch.slots, positions.device), batch.n_decode, decode_mask, chunks)
+        warm = bool(batch.n_decode) and positions.device.type == "cpu" and not has_graph()
+        return cls(to_device(batch.slots, positions.device), batch.n_decode, decode_mask, chunks, warm)
 
     def attend(self, xq, xk, xv, cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
         """Store the new keys and values (tokens, kv heads, head_dim) in the cache, then attend
@@ -53,7 +55,7 @@ class FlexAttention:
         store(cache_k, cache_v, self.slots, xk, xv)
         n_kv, head_dim = cache_k.shape[0], cache_k.shape[-1]
         keys, values = (cache.view(1, n_kv, -1, head_dim) for cache in (cache_k, cache_v))
-        if self.n_decode and keys.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and self.warm and not has_graph():  # traced: never read
             warm_decode(xq, keys, values, cache_k.shape[2])
         parts = [flex(xq[:self.n_decode], keys, values, self.decode_mask)] if self.n_decode else []
         for start, length, mask in self.chunks:
@@ -76,13 +78,16 @@ def warm_decode(xq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bloc
     """Before compiled_flex's first graph: compile it for one decode row, then two. Compiled
     first for some other counts (16 or 64 rows), inductor's CPU template generates C++ that
     does not compile (torch 2.13); the dynamic graph that two rows compile serves every count."""
-    if torch._dynamo.eval_frame._debug_get_cache_entry_list(flex_attention.__code__):
-        return
     pool_blocks = keys.shape[2] // block_size
     for rows in (1, 2):
         positions = torch.zeros(rows, dtype=torch.long, device=keys.device)
         flex(torch.zeros_like(xq[:1]).expand(rows, -1, -1).contiguous(), keys, values,
              decode_block_mask([[0]] * rows, positions, block_size, pool_blocks))
+
+
+def has_graph() -> bool:
+    """Whether compiled_flex has compiled a graph of its own (not traced into a model's)."""
+    return bool(torch._dynamo.eval_frame._debug_get_cache_entry_list(flex_attention.__code__))
 
 
 def decode_block_mask(tables: list[list[int]], positions: torch.Tensor, block_size: int,
