@@ -24,7 +24,8 @@ import torch
 
 import collectives
 import structured
-from batch import Batch, to_device
+from ahead import Ahead, may_run_ahead, runs_ahead, sample_ahead
+from batch import Batch
 from kv_cache import BlockPool
 from sampler import adjust_logits, sample, token_logprobs
 from scheduler import Scheduler, Work
@@ -64,6 +65,8 @@ class Engine:
         # grammar masks are computed here while the forward pass runs (llguidance leaves the GIL)
         self.masker = ThreadPoolExecutor(1, thread_name_prefix="masks")
         self.pace = 0.0  # seconds per step in the last run(), 0 before the first
+        if async_scheduling and speculation:
+            raise ValueError("asynchronous scheduling cannot run with speculation: proposals come from the host's tokens")
         self.async_scheduling = async_scheduling
         self.ahead: Ahead | None = None  # the last step's tokens, while the host does not have them
 
@@ -186,7 +189,7 @@ class Engine:
         tokens on the device, where the next step reads them; the host appends them (text,
         stop strings, ends) after it has queued that next step, while the device runs it."""
         news = False
-        if self.ahead and not self.may_run_ahead():
+        if self.ahead and not may_run_ahead(self.scheduler, self.pool):
             news = self.catch_up()
         if self.speculation:
             self.speculation.reserve([s for s in self.scheduler.running if Scheduler.uncached(s) == 1])
@@ -202,7 +205,7 @@ class Engine:
         to_sample = [(w.seq, last - 1 - len(w.seq.draft)) for w, (_, last) in zip(work, rows)
                      if completes(w) and w.seq.params.max_gen_len]
         seqs, sample_rows = [s for s, _ in to_sample], [row for _, row in to_sample]
-        deferred = self.async_scheduling and all(map(self.runs_ahead, seqs))
+        deferred = self.async_scheduling and all(map(runs_ahead, seqs))
         masks = None if deferred else self.start_masks(seqs)
         logits = self.runner.forward_batch(batch)
         for w, (first, last) in zip(work, rows):
@@ -214,7 +217,7 @@ class Engine:
             seq.cached += w.n - len(seq.draft)  # a proposed token's entry counts once it is accepted
         previous = self.ahead  # None unless deferred (may_run_ahead)
         if deferred:
-            self.ahead = self.sample_ahead(seqs, logits, sample_rows) if seqs else None
+            self.ahead = sample_ahead(seqs, logits, sample_rows) if seqs else None
         else:
             self.advance(seqs, logits, sample_rows, masks)
         for w in work:
@@ -235,33 +238,6 @@ class Engine:
             seq.table.commit(seq.prompt_tokens + seq.tokens, known)
         if seq.done:
             self.scheduler.remove(seq)
-
-    def runs_ahead(self, seq: Sequence) -> bool:
-        """Whether seq's next token may be sampled before the host has its last one: nothing
-        that picks it reads the tokens on the host (penalties, a grammar, min_tokens still to
-        reach, speculation), and no logprobs are due with it."""
-        return (self.speculation is None and seq.matcher is None and seq.counts is None
-                and not seq.params.logprobs and len(seq.tokens) >= seq.params.min_tokens)
-
-    def may_run_ahead(self) -> bool:
-        """Whether the next step may start with the last step's tokens still on the device:
-        every sequence it may sample for runs ahead (else it samples on the host, after the
-        last step's tokens), and every decoding sequence has a block for its next token, so
-        that none is preempted (its recomputed tokens would include one the host lacks)."""
-        if not all(map(self.runs_ahead, itertools.chain(self.scheduler.running, self.scheduler.waiting))):
-            return False
-        needed = sum(s.table.blocks_for(s.cached + 1) for s in self.scheduler.running)
-        return needed <= self.pool.num_free
-
-    def sample_ahead(self, seqs: list[Sequence], logits: torch.Tensor, rows: list[int]) -> "Ahead":
-        """Each sequence's next token (rank 0's on every rank), sampled on the device and left
-        there, with its copy to the host started."""
-        tokens = sample(adjust_logits(logits[to_device(rows, logits.device, torch.long)], seqs), seqs)
-        if collectives.tp_world()[1] > 1:
-            collectives.broadcast(tokens, src=0)
-        for seq in seqs:
-            seq.ahead += 1
-        return Ahead(seqs, tokens)
 
     def catch_up(self) -> bool:
         """Settle the last step that ran ahead: the host has every token then."""
@@ -384,27 +360,6 @@ class Engine:
                 s.append(token, chosen[i], top[i][:s.params.top_logprobs])
             else:
                 s.append(token)
-
-
-class Ahead:
-    """A step's sampled tokens on their way to the host: the sequences that sampled them, the
-    tokens on the device (the next step's inputs) and their copy on the host."""
-
-    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor):
-        self.seqs, self.tokens = seqs, tokens
-        self.index = {seq: i for i, seq in enumerate(seqs)}
-        self.ready = None
-        self.host = tokens
-        if tokens.device.type == "cuda":  # one copy per step, waited for only when settled
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record()
-
-    def on_host(self) -> list[int]:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host.tolist()
 
 
 def filled(bitmask: torch.Tensor, rows: list[tuple[Matcher, int]]) -> torch.Tensor:
