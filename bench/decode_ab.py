@@ -1,17 +1,19 @@
 """Decode speed of this tree against earlier commits, on the same machine in one run:
 
-    python bench/decode_ab.py [--baseline 16d4a67 [COMMIT ...]] [--rounds 3] [--no-write]
+    python bench/decode_ab.py [--baseline 16d4a67 [COMMIT ...]] [--rounds 3] [--calls 7] [--no-write]
 
 generate.generate (greedy, prompt 32, 64 new tokens, EOS off) at batch 1 and 8, TP=1 with
 1 thread, on bench/decode.py's random 26M and 110M shapes (Meta layout, fp32). Each round
-runs each baseline and this tree one after the other, each in a fresh process (a
-baseline's files from `git archive`), so that the machine's drift hits all alike; each
-process reports its fastest of 5 calls (what other load on a shared machine adds to a call
-is noise, never less time), and the median over rounds is compared. Writes its table into BENCHMARKS.md (decode_ab).
+starts one process per tree (a baseline's files from `git archive`) and then times single
+calls in turn: one call of each tree, the order alternating, --calls times per batch size.
+Pairs of calls a few seconds apart meet the same machine, so the drift of a shared machine
+(a tree's fresh processes in turn, minutes apart, moved ±15% on the 2-core machine) cancels
+in each pair's ratio; fresh processes each round keep one process's memory layout from
+deciding. The ratio reported is the median over every pair of all rounds. Writes its table
+into BENCHMARKS.md (decode_ab).
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -24,10 +26,10 @@ from report import checkout
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
 SHAPES = {"26M": (512, 8, 8), "110M": (768, 12, 12)}
-NEW, PROMPT, REPS = 64, 32, 5
+NEW, PROMPT = 64, 32
 
 RUN = """
-import json, statistics, sys, time
+import sys, time
 import torch
 torch.set_num_threads(1)
 sys.path.insert(0, sys.argv[1])
@@ -39,30 +41,54 @@ llama = llama2.tp_llama(None, sys.argv[2], sys.argv[2] + "/tokenizer.model", 1, 
 tok = NoEos(llama.tokenizer)
 runner = getattr(llama, "runner", llama.model)  # trees before the runner split run the model itself
 g = torch.Generator().manual_seed(0)
-out = {}
-for batch in (1, 8):
-    prompts = [torch.randint(3, 4000, (%(prompt)d,), generator=g).tolist() for _ in range(batch)]
-    generate.generate(runner, prompts, 8, temperature=0, tokenizer=tok)
-    times = []
-    for _ in range(%(reps)d):
-        t = time.perf_counter()
-        generate.generate(runner, prompts, %(new)d, temperature=0, tokenizer=tok)
-        times.append(time.perf_counter() - t)
-    out[batch] = batch * %(new)d / min(times)  # other load on the machine only ever adds time
-print(json.dumps(out))
-""" % {"prompt": PROMPT, "new": NEW, "reps": REPS}
+prompts = {b: [torch.randint(3, 4000, (%(prompt)d,), generator=g).tolist() for _ in range(b)] for b in (1, 8)}
+for b in prompts:
+    generate.generate(runner, prompts[b], 8, temperature=0, tokenizer=tok)
+print("ready", flush=True)
+for line in sys.stdin:  # a batch size: one timed call
+    t = time.perf_counter()
+    generate.generate(runner, prompts[int(line)], %(new)d, temperature=0, tokenizer=tok)
+    print(time.perf_counter() - t, flush=True)
+""" % {"prompt": PROMPT, "new": NEW}
 
 
-def tokens_per_s(tree: str, ckpt: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", RUN, tree, ckpt], capture_output=True, text=True, env=env, check=True)
-    return {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+class Tree:
+    """One tree's process, loaded with a checkpoint, timing one generate call at a time."""
+
+    def __init__(self, tree: str, ckpt: str):
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-c", RUN, tree, ckpt], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        assert self.proc.stdout.readline().strip() == "ready", f"{tree} failed to load"
+
+    def seconds(self, batch: int) -> float:
+        self.proc.stdin.write(f"{batch}\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def paired_round(trees: dict, ckpt: str, calls: int) -> dict:
+    """{batch: {name: [seconds of each call]}}: calls of each tree in turn, the order alternating."""
+    procs = {name: Tree(tree, ckpt) for name, tree in trees.items()}
+    times = {b: {name: [] for name in trees} for b in (1, 8)}
+    for call in range(calls):
+        for b in (1, 8):
+            for name in list(procs)[::1 if call % 2 == 0 else -1]:
+                times[b][name].append(procs[name].seconds(b))
+    for proc in procs.values():
+        proc.close()
+    return times
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", nargs="+", default=["16d4a67"])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=7)
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
     import make_checkpoint
@@ -75,28 +101,28 @@ def main():
         for shape, (dim, layers, heads) in SHAPES.items():
             model = make_checkpoint.random_hf_model(dim, layers, heads, heads, Tokenizer(tokenizer).n_words, seed=0)
             ckpt = make_checkpoint.write_layouts(model, os.path.join(tmp, shape), tokenizer, ["meta:1"])["meta:1"]
-            runs = {name: [] for name in trees}
-            for _ in range(a.rounds):
-                for name, tree in trees.items():
-                    runs[name].append(tokens_per_s(tree, ckpt))
+            rounds = [paired_round(trees, ckpt, a.calls) for _ in range(a.rounds)]
             for batch in (1, 8):
-                now = statistics.median(r[batch] for r in runs["now"])
+                now = [t for r in rounds for t in r[batch]["now"]]
                 cells = []
                 for commit in a.baseline:
-                    base = statistics.median(r[batch] for r in runs[commit])
-                    each = ", ".join(f"{n[batch] / b[batch]:.3f}" for n, b in zip(runs["now"], runs[commit]))
-                    cells.append(f"{base:.1f} | **{now / base:.3f}** ({each})")
-                rows.append(f"| {shape} | {batch} | {now:.1f} | " + " | ".join(cells) + " |")
+                    base = [t for r in rounds for t in r[batch][commit]]
+                    per_round = ", ".join(f"{statistics.median(b / n for b, n in zip(r[batch][commit], r[batch]['now'])):.3f}"
+                                          for r in rounds)
+                    ratio = statistics.median(b / n for b, n in zip(base, now))
+                    cells.append(f"{batch * NEW / statistics.median(base):.1f} | **{ratio:.3f}** ({per_round})")
+                rows.append(f"| {shape} | {batch} | {batch * NEW / statistics.median(now):.1f} | " + " | ".join(cells) + " |")
                 print(rows[-1], flush=True)
     heads = "".join(f" {c} (tokens/s) | now / {c} (each round) |" for c in a.baseline)
     text = f"""## Decode speed against an earlier commit
 
 `python bench/decode_ab.py {' '.join(sys.argv[1:])}` — {report.header()}; baseline commits \
-{', '.join(a.baseline)}, {a.rounds} rounds, each running the baselines and this tree in turn in fresh processes.
+{', '.join(a.baseline)}, {a.rounds} rounds of fresh processes, each timing {a.calls} calls per batch of each tree in turn \
+(the order alternating).
 
 `generate.generate`, greedy, prompt {PROMPT} tokens, {NEW} new tokens, EOS off, TP=1, 1 thread, random fp32 \
-models of bench/decode.py's shapes (Meta layout, demo vocabulary); each process's fastest of {REPS} calls, \
-median tokens/s over the rounds:
+models of bench/decode.py's shapes (Meta layout, demo vocabulary); tokens/s of the median call; the ratio is \
+the median over all pairs of calls of the baseline's time / this tree's (each round's median in brackets):
 
 | model | batch | now (tokens/s) |{heads}
 |---|---|---|{"---|---|" * len(a.baseline)}
