@@ -66,7 +66,8 @@ class Engine:
         self.masker = ThreadPoolExecutor(1, thread_name_prefix="masks")
         self.pace = 0.0  # seconds per step in the last run(), 0 before the first
         if async_scheduling and speculation:
-            raise ValueError("asynchronous scheduling cannot run with speculation: proposals come from the host's tokens")
+            raise ValueError("asynchronous scheduling cannot run with speculation: "
+                             "proposals come from the host's tokens")
         self.async_scheduling = async_scheduling
         self.ahead: Ahead | None = None  # the last step's tokens, while the host does not have them
 

@@ -62,6 +62,15 @@ def test_mixed_requests_equal_the_synchronous_loops(llama, synchronous):
     assert_same_mixed(mixed(llama, True), reference)
 
 
+def test_an_engine_refuses_async_scheduling_with_speculation(llama):
+    """Proposals come from the tokens on the host, which a step that ran ahead lacks."""
+    from speculative import NgramProposer, Speculation
+
+    with pytest.raises(ValueError, match="asynchronous scheduling cannot run with speculation"):
+        Engine(llama.runner, llama.tokenizer, speculation=Speculation(NgramProposer(), 4, 2, 256),
+               async_scheduling=True, threaded=False)
+
+
 def test_runs_of_one_step_run_ahead_and_never_compute_past_the_end(llama):
     """run(1), a server's iteration on a GPU, leaves the step's tokens on the device, and the
     next run's step reads them there; the text lags a step, then is whole. A sequence whose
