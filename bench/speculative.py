@@ -1,16 +1,20 @@
 """Speculative decoding against plain decoding, on the same machine in one run:
 
-    python bench/speculative.py [--rounds 3] [--new 64] [--no-write]
+    python bench/speculative.py [--models demo 110M] [--rounds 3] [--new 64] [--k 4] [--no-write]
 
-engine.Engine at TP=1, 1 thread, on two models: the demo checkpoint (trained: acceptance
-as text gives it) and bench/decode.py's 110M shape (random fp32 weights, seed 0: the step
-costs of a larger model; a random model's greedy text soon repeats itself, so its
-acceptance says little about real text). Draft models: the target's own first layers (its
+engine.Engine at TP=1, 1 thread, on up to three models: the demo checkpoint (trained:
+acceptance as text gives it); bench/decode.py's 110M shape (random fp32 weights, seed 0:
+the step costs of a larger model; a random model's greedy text soon repeats itself, so its
+acceptance says little about real text); *copier*, the 110M shape with tools/copier.py's
+weights, which continue a passage seen earlier in the prompt and otherwise make text that
+does not repeat (what prompt lookup gains where a model quotes its input, and loses where
+nothing repeats). Draft models: the target's own first layers (its
 embeddings, final norm and output kept: an early-exit draft), written as a checkpoint of
 their own. Workloads: *grounded*, prompts that quote a passage and ask for it again;
 *open*, prompts that do not. Each configuration: batch sequences of `--new` tokens, EOS
 off; tokens/s = tokens / wall time of the whole run (prefill included), median over the
-rounds, each round running every method in turn. Writes its tables into BENCHMARKS.md.
+rounds, each round running every method in turn; greedy outputs are compared with plain
+decoding's. Writes its table into BENCHMARKS.md (a section of its own for other --models).
 """
 
 import argparse
@@ -41,8 +45,8 @@ GROUNDED = [f"{PASSAGE}\nRepeat the text above exactly.\n{PASSAGE[:40]}",
             f"def area(width, height):\n    return width * height\n\n# {PASSAGE[:80]}\n"
             "Rewrite it with the same names:\ndef area(width, height):\n"]
 OPEN = ["Once upon a time", "The best advice I ever got was", "Why do people like music?"]
-K = 4
-DRAFT_LAYERS = {"demo": 2, "110M": 3}  # a quarter of the layers
+MODELS = ("demo", "110M", "copier")
+DRAFT_LAYERS = {"demo": 2, "110M": 3, "copier": 3}  # a quarter of the layers
 
 
 def truncated(folder: str, n_layers: int, out: str) -> str:
@@ -58,16 +62,27 @@ def truncated(folder: str, n_layers: int, out: str) -> str:
     return out
 
 
-def checkpoints(tmp: str) -> dict[str, tuple[str, str]]:
-    """{name: (target folder, draft folder)}."""
+def target_folder(name: str, tmp: str) -> str:
+    """The folder of a model named in MODELS."""
+    import copier
     import make_checkpoint
     from tokenizer import Tokenizer
 
-    tokenizer = os.path.join(ROOT, "demo", "tokenizer.model")
-    model = make_checkpoint.random_hf_model(768, 12, 12, 12, Tokenizer(tokenizer).n_words, seed=0)
-    big = make_checkpoint.write_layouts(model, os.path.join(tmp, "110M"), tokenizer, ["meta:1"])["meta:1"]
+    path = os.path.join(ROOT, "demo", "tokenizer.model")
+    tokenizer = Tokenizer(path)
+    if name == "demo":
+        return os.path.join(ROOT, "demo")
+    if name == "copier":
+        return copier.write(os.path.join(tmp, name), 768, 12, 12, tokenizer.n_words, tokenizer.bos_id)
+    model = make_checkpoint.random_hf_model(768, 12, 12, 12, tokenizer.n_words, seed=0)
+    return make_checkpoint.write_layouts(model, os.path.join(tmp, name), path, ["meta:1"])["meta:1"]
+
+
+def checkpoints(names: list[str], tmp: str) -> dict[str, tuple[str, str]]:
+    """{name: (target folder, draft folder)}."""
     out = {}
-    for name, folder in (("demo", os.path.join(ROOT, "demo")), ("110M", big)):
+    for name in names:
+        folder = target_folder(name, tmp)
         out[name] = (folder, truncated(folder, DRAFT_LAYERS[name], os.path.join(tmp, f"{name}-draft")))
     return out
 
@@ -80,14 +95,15 @@ def load(folder: str, num_blocks: int | None = None):
     return llama
 
 
-def run(llama, spec, prompts: list[list[int]], temperature: float, new: int) -> tuple[float, Speculation | None]:
+def run(llama, spec, prompts: list[list[int]], temperature: float, new: int) -> tuple[float, list[list[int]]]:
+    """Tokens/s, and each sequence's tokens."""
     engine = Engine(llama.runner, llama.tokenizer, threaded=False, speculation=spec)
     seqs = [engine.add(p, SamplingParams(max_gen_len=new, temperature=temperature, top_p=1.0, seed=i,
                                          ignore_eos=True)) for i, p in enumerate(prompts)]
     start = time.perf_counter()
     while engine.running:
         engine.step()
-    return sum(len(s.tokens) for s in seqs) / (time.perf_counter() - start), spec
+    return sum(len(s.tokens) for s in seqs) / (time.perf_counter() - start), [s.tokens for s in seqs]
 
 
 def step_ms(llama) -> float:
@@ -105,12 +121,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4, help="most tokens a sequence proposes per step")
+    ap.add_argument("--models", nargs="+", choices=MODELS, default=["demo", "110M"])
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    rows, costs = [], []
+    rows, costs, differing = [], [], []
     with tempfile.TemporaryDirectory(prefix="spec_bench_") as tmp:
-        for name, (target_dir, draft_dir) in checkpoints(tmp).items():
+        for name, (target_dir, draft_dir) in checkpoints(a.models, tmp).items():
             target = load(target_dir)
             draft = load(draft_dir, target.runner.num_blocks)
             costs.append(f"{name}: a decode step {step_ms(target):.1f} ms, its draft's {step_ms(draft):.1f} ms")
@@ -122,14 +140,18 @@ def main():
                     for temperature in ((0.0, 0.7) if batch in (1, 8) else (0.0,)):
                         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
                         methods = {"off": lambda: None,
-                                   "ngram": lambda: Speculation(NgramProposer(), K, 8, 512),
-                                   "draft": lambda: Speculation(DraftProposer(draft.runner), K, 8, 512)}
+                                   "ngram": lambda: Speculation(NgramProposer(), a.k, 8, 512),
+                                   "draft": lambda: Speculation(DraftProposer(draft.runner), a.k, 8, 512)}
                         speeds = {m: [] for m in methods}
                         specs = {}
                         for _ in range(a.rounds):
+                            outputs = {}
                             for m, make in methods.items():
-                                speed, specs[m] = run(target, make(), batch_prompts, temperature, a.new)
+                                specs[m] = make()
+                                speed, outputs[m] = run(target, specs[m], batch_prompts, temperature, a.new)
                                 speeds[m].append(speed)
+                            differing += [f"{name} {workload} batch {batch} {m}" for m in ("ngram", "draft")
+                                          if temperature == 0 and outputs[m] != outputs["off"]]
                         off = statistics.median(speeds["off"])
                         cells = []
                         for m in ("ngram", "draft"):
@@ -140,22 +162,28 @@ def main():
                         rows.append(f"| {name} | {workload} | {batch} | {temperature} | {off:.1f} | "
                                     + " | ".join(cells) + " |")
                         print(rows[-1], flush=True)
-    text = f"""## Speculative decoding
+    models = {"demo": "the trained demo checkpoint", "110M": "bench/decode.py's random 110M shape",
+              "copier": "the 110M shape with tools/copier.py's weights (quotes what its prompt holds)"}
+    drafts = ", ".join(f"{DRAFT_LAYERS[m]} ({m})" for m in a.models)
+    greedy = ("Greedy outputs with speculation differ from plain decoding's in: " + "; ".join(differing) if differing
+              else "Greedy outputs with speculation equal plain decoding's in every greedy run")
+    text = f"""## Speculative decoding{'' if a.models == ['demo', '110M'] else ': ' + ', '.join(a.models)}
 
 `python bench/speculative.py {' '.join(sys.argv[1:])}` — {report.header()}; {a.rounds} rounds.
 
-engine.Engine, TP=1, 1 thread, {a.new} new tokens per sequence (EOS off), top_p 1, k = {K} proposed tokens \
+engine.Engine, TP=1, 1 thread, {a.new} new tokens per sequence (EOS off), top_p 1, k = {a.k} proposed tokens \
 per step, speculating at every batch size here (the serving default steps aside above \
-`handler.speculative.max_batch`). *demo*: the trained demo checkpoint; *110M*: bench/decode.py's random \
-110M shape. Draft: the target's first {DRAFT_LAYERS['demo']} (demo) or {DRAFT_LAYERS['110M']} (110M) layers \
-({'; '.join(costs)}). *grounded*: prompts that quote a passage and ask for it again (or a code edit); \
-*open*: prompts that do not. *speed-up*: tokens/s against plain decoding in the same round (median); \
-*accepted*: proposed tokens accepted; *per step*: tokens accepted per verifying step of a sequence.
+`handler.speculative.max_batch`). {'; '.join(f'*{m}*: {models[m]}' for m in a.models)}. Draft: the \
+target's first {drafts} layers ({'; '.join(costs)}). *grounded*: prompts that quote a passage and ask for \
+it again (or a code edit); *open*: prompts that do not. *speed-up*: tokens/s against plain decoding in the \
+same round (median); *accepted*: proposed tokens accepted; *per step*: tokens accepted per verifying step \
+of a sequence. {greedy}.
 
 | model | workload | batch | temperature | plain (tokens/s) | n-gram speed-up | accepted | per step | draft speed-up | accepted | per step |
 |---|---|---|---|---|---|---|---|---|---|---|
 """ + "\n".join(rows) + "\n"
-    report.publish("speculative", text, not a.no_write)
+    report.publish("speculative" + "".join(f"-{m}" for m in a.models if a.models != ["demo", "110M"]), text,
+                   not a.no_write)
 
 
 if __name__ == "__main__":
