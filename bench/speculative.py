@@ -1,6 +1,7 @@
 """Speculative decoding against plain decoding, on the same machine in one run:
 
-    python bench/speculative.py [--models demo 110M] [--rounds 3] [--new 64] [--k 4] [--no-write]
+    python bench/speculative.py [--models demo 110M] [--batches 1 2 4 8] [--rounds 3] [--new 64] [--k 4]
+                                [--no-write]
 
 engine.Engine at TP=1, 1 thread, on up to three models: the demo checkpoint (trained:
 acceptance as text gives it); bench/decode.py's 110M shape (random fp32 weights, seed 0:
@@ -123,6 +124,7 @@ def main():
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--k", type=int, default=4, help="most tokens a sequence proposes per step")
     ap.add_argument("--models", nargs="+", choices=MODELS, default=["demo", "110M"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -136,7 +138,7 @@ def main():
             workloads = {w: [tok.encode(p, bos=True, eos=False) for p in texts]
                          for w, texts in (("grounded", GROUNDED), ("open", OPEN))}
             for workload, prompts in workloads.items():
-                for batch in (1, 2, 4, 8):
+                for batch in a.batches:
                     for temperature in ((0.0, 0.7) if batch in (1, 8) else (0.0,)):
                         batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
                         methods = {"off": lambda: None,
