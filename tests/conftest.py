@@ -14,8 +14,20 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 import make_checkpoint  # noqa: E402
+import torch  # noqa: E402
 import torchrun  # noqa: E402
 from local_server import Server  # noqa: E402
+from torch._inductor.runtime.cache_dir_utils import cache_dir  # noqa: E402
+
+# One inductor cache (FX graphs, compiled kernels) for this process and every rank it starts:
+# cache_dir() puts it (the default, or the one given) in TORCHINDUCTOR_CACHE_DIR, which
+# torchrun's and TorchServe's workers inherit. Without it a TorchServe's workers, whose TMPDIR
+# is the server's own folder, compiled every graph afresh, in every server.
+cache_dir()
+# The tests' models are tiny: their steps take a fraction of a millisecond on one thread, and
+# on two, while anything else runs on the machine (a server's ranks, another process), up to
+# 20 times longer. torchrun's ranks run on one thread too (tests/torchrun.py).
+torch.set_num_threads(1)
 
 # --- tiers: `make test` runs every test, `make test-quick` those not marked slow -----------
 # A test is slow when it starts TorchServe or torchrun ranks, through one of these fixtures
