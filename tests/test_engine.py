@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import llama2
-from conftest import DEMO
+from conftest import DEMO, TOKENIZER
 from engine import Engine
 from engine_worker import CONFIGS, N_NEW, SYSTEM, workload
 from kv_cache import BlockPool, BlockTable, block_hash
@@ -272,10 +272,12 @@ def test_tp2_ranks_decide_alike_and_match_tp1(results, tmp_path):
 
 
 @pytest.mark.slow  # torch.compile
-def test_compiled_engine_never_recompiles():
+def test_compiled_engine_never_recompiles(checkpoints):
     """compile_decode's graphs serve the engine's decode steps, whatever the number of
     sequences and blocks; prefill chunks run eager. Outputs equal the eager engine's."""
-    llama = demo()
+    # a 2-layer model (the demo's tokenizer): dynamo traces every layer of each graph, and
+    # the graphs' kinds and shapes do not depend on the depth
+    llama = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1, max_batch_size=4, max_seq_len=256)
     eager = workload(llama, True, 16)
     llama.runner.compile_decode()
     with torch._dynamo.config.patch(error_on_recompile=True):
