@@ -86,16 +86,21 @@ def demo():
     return llama2.tp_llama(None, DEMO, None, 1, max_batch_size=4, max_seq_len=256, attention="sdpa")
 
 
-def test_flex_gives_the_same_greedy_tokens_in_the_engine(demo):
+@pytest.fixture(scope="module")
+def sdpa_runs(demo):
+    """The references with gather + SDPA, computed once for the tests below: workload() for
+    each of FLEX_CONFIGS, and preempted() (what the TP=2 ranks run with flex)."""
+    demo.runner.attention = "sdpa"
+    return {config: workload(demo, *config) for config in FLEX_CONFIGS} | {"preempted": preempted(demo)}
+
+
+def test_flex_gives_the_same_greedy_tokens_in_the_engine(demo, sdpa_runs):
     """test_engine.py's workload (a shared system prompt, sequences joining and leaving,
     a long prompt, a repeat served from the prefix cache) in chunks of 16 and 64 tokens and
     whole: the same tokens and scheduling decisions with either backend."""
+    demo.runner.attention = "flex"
     for caching, budget in FLEX_CONFIGS:
-        results = {}
-        for backend in ("sdpa", "flex"):
-            demo.runner.attention = backend
-            results[backend] = workload(demo, caching, budget)
-        assert results["flex"] == results["sdpa"], (caching, budget)
+        assert workload(demo, caching, budget) == sdpa_runs[(caching, budget)], (caching, budget)
     demo.runner.attention = "sdpa"
 
 
@@ -112,22 +117,19 @@ def test_flex_does_not_compile_again_as_batches_and_contexts_change(demo):
     demo.runner.attention = "sdpa"
 
 
-def test_flex_gives_the_same_tokens_under_preemption(demo):
-    runs = {}
-    for backend in ("sdpa", "flex"):
-        demo.runner.attention = backend
-        runs[backend] = preempted(demo)
+def test_flex_gives_the_same_tokens_under_preemption(demo, sdpa_runs):
+    runs = {"sdpa": sdpa_runs["preempted"]}
+    demo.runner.attention = "flex"
+    runs["flex"] = preempted(demo)
     demo.runner.attention = "sdpa"
     assert runs["flex"] == runs["sdpa"] and len(runs["sdpa"]["victims"]) >= 2  # preempted, alike
 
 
 @pytest.mark.slow
-def test_flex_at_tp2_gives_tp1_tokens(demo, tmp_path):
+def test_flex_at_tp2_gives_tp1_tokens(sdpa_runs, tmp_path):
     ranks = run("engine_worker.py", 2, tmp_path, DEMO, "flex")
-    demo.runner.attention = "sdpa"
-    expected = {config: workload(demo, *config) for config in FLEX_CONFIGS} | {"preempted": preempted(demo)}
     for rank in ranks:
-        assert rank == expected
+        assert rank == sdpa_runs
 
 
 @pytest.mark.slow  # torch.compile
