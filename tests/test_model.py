@@ -96,6 +96,7 @@ def test_per_row_positions_and_slots_equal_full_forward(checkpoints, config):
     assert max_diff(rows, expected_rows(full, rows)) <= TOL
 
 
+@pytest.mark.slow
 def test_compiled_decode_equals_eager_and_never_recompiles(checkpoints):
     """compile_decode() (torch.compile of the one-token steps) changes no logits, and the
     three graphs it compiles up front serve every batch size and position: a recompile
