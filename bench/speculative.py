@@ -46,7 +46,9 @@ GROUNDED = [f"{PASSAGE}\nRepeat the text above exactly.\n{PASSAGE[:40]}",
             f"def area(width, height):\n    return width * height\n\n# {PASSAGE[:80]}\n"
             "Rewrite it with the same names:\ndef area(width, height):\n"]
 OPEN = ["Once upon a time", "The best advice I ever got was", "Why do people like music?"]
-MODELS = ("demo", "110M", "copier")
+MODELS = {"demo": "the trained demo checkpoint", "110M": "bench/decode.py's random 110M shape",
+          "copier": "the 110M shape with tools/copier.py's weights (quotes what its prompt holds)"}
+DEFAULT_MODELS = ["demo", "110M"]  # the "speculative" section's; other choices get a section of their own
 DRAFT_LAYERS = {"demo": 2, "110M": 3, "copier": 3}  # a quarter of the layers
 
 
@@ -69,10 +71,10 @@ def target_folder(name: str, tmp: str) -> str:
     import make_checkpoint
     from tokenizer import Tokenizer
 
-    path = os.path.join(ROOT, "demo", "tokenizer.model")
-    tokenizer = Tokenizer(path)
     if name == "demo":
         return os.path.join(ROOT, "demo")
+    path = os.path.join(ROOT, "demo", "tokenizer.model")
+    tokenizer = Tokenizer(path)
     if name == "copier":
         return copier.write(os.path.join(tmp, name), 768, 12, 12, tokenizer.n_words, tokenizer.bos_id)
     model = make_checkpoint.random_hf_model(768, 12, 12, 12, tokenizer.n_words, seed=0)
@@ -123,7 +125,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--k", type=int, default=4, help="most tokens a sequence proposes per step")
-    ap.add_argument("--models", nargs="+", choices=MODELS, default=["demo", "110M"])
+    ap.add_argument("--models", nargs="+", choices=MODELS, default=DEFAULT_MODELS)
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
@@ -164,18 +166,17 @@ def main():
                         rows.append(f"| {name} | {workload} | {batch} | {temperature} | {off:.1f} | "
                                     + " | ".join(cells) + " |")
                         print(rows[-1], flush=True)
-    models = {"demo": "the trained demo checkpoint", "110M": "bench/decode.py's random 110M shape",
-              "copier": "the 110M shape with tools/copier.py's weights (quotes what its prompt holds)"}
+    own = a.models != DEFAULT_MODELS
     drafts = ", ".join(f"{DRAFT_LAYERS[m]} ({m})" for m in a.models)
     greedy = ("Greedy outputs with speculation differ from plain decoding's in: " + "; ".join(differing) if differing
               else "Greedy outputs with speculation equal plain decoding's in every greedy run")
-    text = f"""## Speculative decoding{'' if a.models == ['demo', '110M'] else ': ' + ', '.join(a.models)}
+    text = f"""## Speculative decoding{': ' + ', '.join(a.models) if own else ''}
 
 `python bench/speculative.py {' '.join(sys.argv[1:])}` — {report.header()}; {a.rounds} rounds.
 
 engine.Engine, TP=1, 1 thread, {a.new} new tokens per sequence (EOS off), top_p 1, k = {a.k} proposed tokens \
 per step, speculating at every batch size here (the serving default steps aside above \
-`handler.speculative.max_batch`). {'; '.join(f'*{m}*: {models[m]}' for m in a.models)}. Draft: the \
+`handler.speculative.max_batch`). {'; '.join(f'*{m}*: {MODELS[m]}' for m in a.models)}. Draft: the \
 target's first {drafts} layers ({'; '.join(costs)}). *grounded*: prompts that quote a passage and ask for \
 it again (or a code edit); *open*: prompts that do not. *speed-up*: tokens/s against plain decoding in the \
 same round (median); *accepted*: proposed tokens accepted; *per step*: tokens accepted per verifying step \
@@ -184,8 +185,7 @@ of a sequence. {greedy}.
 | model | workload | batch | temperature | plain (tokens/s) | n-gram speed-up | accepted | per step | draft speed-up | accepted | per step |
 |---|---|---|---|---|---|---|---|---|---|---|
 """ + "\n".join(rows) + "\n"
-    report.publish("speculative" + "".join(f"-{m}" for m in a.models if a.models != ["demo", "110M"]), text,
-                   not a.no_write)
+    report.publish("speculative" + "".join(f"-{m}" for m in a.models if own), text, not a.no_write)
 
 
 if __name__ == "__main__":
