@@ -28,6 +28,7 @@ private TorchServes (tools/local_server.py) serving one random Llama (TP=2 on CP
 import itertools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -68,6 +69,13 @@ def served(tmp, name, ckpt, run, **server):
         srv.stop()
 
 
+def read_gauge(server, name: str) -> float | None:
+    """A Prometheus gauge's value on a server now; None before the worker has recorded it."""
+    text = requests.get(server.metrics_url, timeout=5).text
+    m = re.search(rf"^{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    return float(m[1]) if m else None
+
+
 class Gauge(threading.Thread):
     """The highest value a Prometheus gauge of a server shows while it runs."""
 
@@ -76,14 +84,9 @@ class Gauge(threading.Thread):
         self.server, self.name, self.peak, self.running = server, name, 0.0, True
 
     def run(self):
-        import re
-
         while self.running:
             try:
-                text = requests.get(self.server.metrics_url, timeout=5).text
-                m = re.search(rf"^{self.name}\{{[^}}]*\}} ([0-9.]+)$", text, re.M)
-                if m:
-                    self.peak = max(self.peak, float(m[1]))
+                self.peak = max(self.peak, read_gauge(self.server, self.name) or 0.0)
             except requests.RequestException:
                 pass
             time.sleep(0.2)

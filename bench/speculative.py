@@ -1,7 +1,7 @@
 """Speculative decoding against plain decoding, on the same machine in one run:
 
     python bench/speculative.py [--models demo 110M] [--batches 1 2 4 8] [--rounds 3] [--new 64] [--k 4]
-                                [--no-write]
+                                [--policy] [--no-write]
 
 engine.Engine at TP=1, 1 thread, on up to three models: the demo checkpoint (trained:
 acceptance as text gives it); bench/decode.py's 110M shape (random fp32 weights, seed 0:
@@ -16,6 +16,10 @@ their own. Workloads: *grounded*, prompts that quote a passage and ask for it ag
 off; tokens/s = tokens / wall time of the whole run (prefill included), median over the
 rounds, each round running every method in turn; greedy outputs are compared with plain
 decoding's. Writes its table into BENCHMARKS.md (a section of its own for other --models).
+
+With --policy, greedy only: plain decoding against n-gram speculation under the serving
+default (handler.speculative.max_batch), which steps aside at batch sizes above it, so that
+what remains is its bookkeeping's cost (section speculative-policy).
 """
 
 import argparse
@@ -35,6 +39,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
 
 import llama2  # noqa: E402
 from engine import Engine  # noqa: E402
+from serving_config import Speculative  # noqa: E402
 from sequence import SamplingParams  # noqa: E402
 from speculative import DraftProposer, NgramProposer, Speculation  # noqa: E402
 
@@ -127,9 +132,12 @@ def main():
     ap.add_argument("--k", type=int, default=4, help="most tokens a sequence proposes per step")
     ap.add_argument("--models", nargs="+", choices=MODELS, default=DEFAULT_MODELS)
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4, 8])
+    ap.add_argument("--policy", action="store_true", help="greedy, plain against n-gram under the serving default")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if a.policy:
+        return policy(a)
     rows, costs, differing = [], [], []
     with tempfile.TemporaryDirectory(prefix="spec_bench_") as tmp:
         for name, (target_dir, draft_dir) in checkpoints(a.models, tmp).items():
@@ -186,6 +194,47 @@ of a sequence. {greedy}.
 |---|---|---|---|---|---|---|---|---|---|---|
 """ + "\n".join(rows) + "\n"
     report.publish("speculative" + "".join(f"-{m}" for m in a.models if own), text, not a.no_write)
+
+
+def policy(a):
+    """Greedy tokens/s of n-gram speculation under the serving default's max_batch against
+    plain decoding, the two alternating, and the tokens it proposed."""
+    max_batch = Speculative().max_batch
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="spec_bench_") as tmp:
+        for name in a.models:
+            target = load(target_folder(name, tmp))
+            tok = target.tokenizer
+            for workload, texts in (("grounded", GROUNDED), ("open", OPEN)):
+                prompts = [tok.encode(p, bos=True, eos=False) for p in texts]
+                for batch in a.batches:
+                    batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+                    speeds = {"off": [], "policy": []}
+                    proposed = 0
+                    for _ in range(a.rounds):
+                        spec = Speculation(NgramProposer(), a.k, max_batch, 512)
+                        for m, s in (("off", None), ("policy", spec)):
+                            speeds[m].append(run(target, s, batch_prompts, 0.0, a.new)[0])
+                        proposed += spec.proposed
+                    ratios = [p / o for p, o in zip(speeds["policy"], speeds["off"])]
+                    rows.append(f"| {name} | {workload} | {batch} | {statistics.median(speeds['off']):.1f} | "
+                                f"**{statistics.median(ratios):.3f}** | {min(ratios):.3f}–{max(ratios):.3f} | "
+                                f"{proposed / a.rounds:.0f} |")
+                    print(rows[-1], flush=True)
+    text = f"""## Speculative decoding: the serving policy
+
+`python bench/speculative.py {' '.join(sys.argv[1:])}` — {report.header()}; {a.rounds} rounds.
+
+engine.Engine, TP=1, 1 thread, greedy, {a.new} new tokens per sequence (EOS off): plain decoding against \
+n-gram speculation (k = {a.k}) under the serving default `handler.speculative.max_batch` {max_batch}, which \
+proposes nothing while more than {max_batch} sequences decode, the two alternating in each round. \
+{'; '.join(f'*{m}*: {MODELS[m]}' for m in a.models)}. *ratio*: the median of the rounds' tokens/s ratios \
+(policy / plain); *proposed*: tokens proposed per run (mean).
+
+| model | workload | batch | plain (tokens/s) | ratio | rounds' range | proposed |
+|---|---|---|---|---|---|---|
+""" + "\n".join(rows) + "\n"
+    report.publish("speculative-policy", text, not a.no_write)
 
 
 if __name__ == "__main__":
