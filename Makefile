@@ -67,8 +67,10 @@ STOP = cd $(RUN) && $(CURDIR)/.venv/bin/torchserve --stop --foreground && echo "
 stop:
 	-$(STOP)
 
+# Tests run on WORKERS processes (pytest-xdist): a test waiting on a server leaves the other core to another.
+WORKERS ?= 2
 test: check-java .venv/.test
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=15 tests
 
 # The edit loop's tier: in-process tests only (no TorchServe, torchrun or torch.compile).
 test-quick: .venv/.test

@@ -42,8 +42,13 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if TORCHSERVE_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if TORCHSERVE_FIXTURES & fixtures:
             item.add_marker(pytest.mark.slow)
+        # `make test` runs tests on two workers (pytest-xdist, --dist loadgroup), a module's on
+        # one, so that its module fixtures are made once, and every test of the run's shared
+        # server on one, so that it starts once
+        item.add_marker(pytest.mark.xdist_group("server" if "server" in fixtures else item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(autouse=True)
