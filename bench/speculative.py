@@ -54,7 +54,8 @@ OPEN = ["Once upon a time", "The best advice I ever got was", "Why do people lik
 MODELS = {"demo": "the trained demo checkpoint", "110M": "bench/decode.py's random 110M shape",
           "copier": "the 110M shape with tools/copier.py's weights (quotes what its prompt holds)"}
 DEFAULT_MODELS = ["demo", "110M"]  # the "speculative" section's; other choices get a section of their own
-DRAFT_LAYERS = {"demo": 2, "110M": 3, "copier": 3}  # a quarter of the layers
+# a quarter of the layers; the copier's first two hold its whole circuit (tools/copier.py)
+DRAFT_LAYERS = {"demo": 2, "110M": 3, "copier": 2}
 
 
 def truncated(folder: str, n_layers: int, out: str) -> str:
