@@ -18,6 +18,15 @@ import torch  # noqa: E402
 import torchrun  # noqa: E402
 from local_server import Server  # noqa: E402
 from torch._inductor.runtime.cache_dir_utils import cache_dir  # noqa: E402
+import local_server  # noqa: E402
+
+# Each pytest-xdist worker (`make test`) starts its servers, and the processes it runs theirs,
+# on a part of local_server.PORTS of its own: two servers starting at once never pick one port.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    worker, workers = int(os.environ["PYTEST_XDIST_WORKER"][2:]), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    part = len(local_server.PORTS) // workers
+    local_server.PORTS = local_server.PORTS[worker * part:(worker + 1) * part]
+    os.environ["LOCAL_SERVER_PORTS"] = f"{local_server.PORTS[0]}-{local_server.PORTS[-1]}"
 
 # One inductor cache (FX graphs, compiled kernels) for this process and every rank it starts:
 # cache_dir() puts it (the default, or the one given) in TORCHINDUCTOR_CACHE_DIR, which

@@ -24,8 +24,11 @@ BIN = os.path.dirname(sys.executable)
 
 
 # below Linux's ephemeral range (32768-60999), which the clients' own connections draw from: a
-# port taken from it could be some connection's local port by the time torchrun binds it
-PORTS = range(20000, 32768)
+# port taken from it could be some connection's local port by the time torchrun binds it.
+# LOCAL_SERVER_PORTS=FIRST-LAST narrows it, so that processes starting servers at once (the
+# tests' pytest-xdist workers: tests/conftest.py) never pick the same port.
+FIRST_PORT, LAST_PORT = map(int, os.environ.get("LOCAL_SERVER_PORTS", "20000-32767").split("-"))
+PORTS = range(FIRST_PORT, LAST_PORT + 1)
 
 
 def free_port() -> int:
@@ -134,9 +137,12 @@ class Server:
 
     def stop(self):
         java = self.frontend()
+        try:  # before --stop: the frontend may be gone by the time it returns
+            procs = ([java] + java.children(recursive=True)) if java else []
+        except psutil.NoSuchProcess:
+            procs = []
         subprocess.run([os.path.join(BIN, "torchserve"), "--stop"], cwd=self.workdir, env=self.env,
                        capture_output=True)
-        procs = ([java] + java.children(recursive=True)) if java else []
         _, alive = psutil.wait_procs(procs, timeout=30)
         for p in alive:
             p.kill()
