@@ -96,6 +96,15 @@ def checkpoints(names: list[str], tmp: str) -> dict[str, tuple[str, str]]:
     return out
 
 
+def workloads(tokenizer, batch: int) -> dict[str, list[list[int]]]:
+    """{workload: batch prompts' tokens}, the workload's prompts repeated to fill the batch."""
+    out = {}
+    for name, texts in (("grounded", GROUNDED), ("open", OPEN)):
+        prompts = [tokenizer.encode(p, bos=True, eos=False) for p in texts]
+        out[name] = [prompts[i % len(prompts)] for i in range(batch)]
+    return out
+
+
 def load(folder: str, num_blocks: int | None = None):
     llama = llama2.tp_llama(None, folder, os.path.join(ROOT, "demo", "tokenizer.model"), 1, max_batch_size=8,
                             max_seq_len=512)
@@ -145,13 +154,10 @@ def main():
             target = load(target_dir)
             draft = load(draft_dir, target.runner.num_blocks)
             costs.append(f"{name}: a decode step {step_ms(target):.1f} ms, its draft's {step_ms(draft):.1f} ms")
-            tok = target.tokenizer
-            workloads = {w: [tok.encode(p, bos=True, eos=False) for p in texts]
-                         for w, texts in (("grounded", GROUNDED), ("open", OPEN))}
-            for workload, prompts in workloads.items():
+            for workload in ("grounded", "open"):
                 for batch in a.batches:
+                    batch_prompts = workloads(target.tokenizer, batch)[workload]
                     for temperature in ((0.0, 0.7) if batch in (1, 8) else (0.0,)):
-                        batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
                         methods = {"off": lambda: None,
                                    "ngram": lambda: Speculation(NgramProposer(), a.k, 8, 512),
                                    "draft": lambda: Speculation(DraftProposer(draft.runner), a.k, 8, 512)}
@@ -218,11 +224,9 @@ def policy(a):
     with tempfile.TemporaryDirectory(prefix="spec_bench_") as tmp:
         for name in a.models:
             target = load(target_folder(name, tmp))
-            tok = target.tokenizer
-            for workload, texts in (("grounded", GROUNDED), ("open", OPEN)):
-                prompts = [tok.encode(p, bos=True, eos=False) for p in texts]
+            for workload in ("grounded", "open"):
                 for batch in a.batches:
-                    batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+                    batch_prompts = workloads(target.tokenizer, batch)[workload]
                     speeds = {"off": [], "policy": []}
                     proposed = 0
                     for _ in range(a.rounds):

@@ -16,7 +16,6 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import make_checkpoint  # noqa: E402
 import torch  # noqa: E402
 import torchrun  # noqa: E402
-from local_server import Server  # noqa: E402
 from torch._inductor.runtime.cache_dir_utils import cache_dir  # noqa: E402
 import local_server  # noqa: E402
 
@@ -69,7 +68,7 @@ def quick_tests_start_nothing(request, monkeypatch):
         raise AssertionError(f"{request.node.nodeid} starts TorchServe or torchrun ranks: mark it slow")
 
     for name in ("start", "make_serve"):
-        monkeypatch.setattr(Server, name, refuse)
+        monkeypatch.setattr(local_server.Server, name, refuse)
     monkeypatch.setattr(torchrun, "run_ranks", refuse)
 
 TOKENIZER = os.path.join(ROOT, "demo", "tokenizer.model")
