@@ -28,12 +28,16 @@ class Piece:
 
 
 def open_checkpoint(folder: str):
+    """The reader of a checkpoint folder, or of a Meta .pth file (params.json beside it)."""
     return MetaCheckpoint(folder) if is_meta(folder) else HFCheckpoint(folder)
 
 
 def is_meta(folder: str) -> bool:
-    """True for Meta's layout, False for Hugging Face's; a folder in neither raises."""
-    if not os.path.isdir(folder):
+    """True for Meta's layout (a folder, or one of its .pth files: the seed's
+    checkpoint_path), False for Hugging Face's; a folder in neither raises."""
+    if os.path.isfile(folder) and folder.endswith(".pth"):
+        folder = os.path.dirname(folder)
+    elif not os.path.isdir(folder):
         raise CheckpointError(f"checkpoint folder not found: {folder}")
     if os.path.isfile(os.path.join(folder, "params.json")):
         return True
@@ -124,14 +128,16 @@ def meta_model_args(params: dict, path: str) -> dict:
     return params
 
 
-def meta_params(folder: str) -> dict:
-    params_path = os.path.join(folder, "params.json")
+def meta_params(path: str) -> dict:
+    params_path = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "params.json")
     with open(params_path) as f:
         return meta_model_args(json.load(f), params_path)
 
 
 def meta_shards(folder: str) -> list[str]:
-    """consolidated.00.pth, .01, ... with none missing."""
+    """consolidated.00.pth, .01, ... with none missing; or the one .pth file named."""
+    if os.path.isfile(folder):
+        return [folder]
     paths = sorted(glob.glob(os.path.join(folder, "consolidated.*.pth")))
     if not paths:
         raise CheckpointError(f"no consolidated.NN.pth files in {folder}")

@@ -48,12 +48,11 @@ def sample_top_p(probs: torch.Tensor, p, generator: torch.Generator | None = Non
 
 
 def runner_of(model):
-    """The runner.ModelRunner to run: a Llama's (tp_llama's, or llama2.Llama(model,
-    tokenizer)), or model itself."""
+    """The runner.ModelRunner to run: a Llama's or a llama2.Transformer's (tp_llama's, or the
+    one a Transformer made for itself), or model itself."""
     runner = getattr(model, "runner", model)
     if not hasattr(runner, "forward_batch"):
-        raise TypeError(f"expected a Llama or a ModelRunner, got {type(model).__name__} (a bare Transformer has no "
-                        "KV cache: wrap it as llama2.Llama(model, tokenizer))")
+        raise TypeError(f"expected a Llama, a llama2.Transformer or a ModelRunner, got {type(model).__name__}")
     return runner
 
 
@@ -91,14 +90,14 @@ def generate(model, prompt_tokens: list[list[int]], max_gen_len: int, temperatur
              top_p: float = 0.9, logprobs: bool = False, echo: bool = False, *, tokenizer=None, **options) -> tuple:
     """Generate for a batch of prompts. Returns (tokens, logprobs or None) per prompt, as
     Meta's reference does: new tokens (after the prompt when echo), cut before EOS.
-    model: the Llama that tp_llama returns (its tokenizer is used), or a runner.ModelRunner
-    with tokenizer=. options: SamplingParams fields (top_k, seed, stop, penalties, ...). More
+    model: the Llama that tp_llama returns or its model (their tokenizer is used), or a
+    runner.ModelRunner or a bare llama2.Transformer with tokenizer=. options: SamplingParams fields (top_k, seed, stop, penalties, ...). More
     prompts than max_batch_size, or a prompt plus max_gen_len beyond max_seq_len, raise
     ValueError."""
+    tokenizer = tokenizer or getattr(model, "tokenizer", None)
     if tokenizer is None:
-        if not hasattr(model, "tokenizer"):
-            raise TypeError("generate() needs tokenizer= with a ModelRunner (a Llama brings its own)")
-        tokenizer = model.tokenizer
+        raise TypeError(f"generate() needs tokenizer= with a {type(model).__name__} that has none "
+                        "(tp_llama's Llama and its model bring their own)")
     engine = Engine(runner_of(model), tokenizer)
     params = sampling_params(prompt_tokens, engine.max_seq_len, max_gen_len, temperature=temperature,
                              top_p=top_p, logprobs=logprobs, echo=echo, **options)

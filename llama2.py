@@ -11,14 +11,48 @@ import checkpoint
 import collectives
 import generate
 import quant
-from model import (ARCHITECTURE_FIELDS, Attention, FeedForward, ModelArgs, RMSNorm, Transformer, TransformerBlock,
-                   apply_rotary_emb, precompute_freqs_cis, repeat_kv)
+import model
+from model import (ARCHITECTURE_FIELDS, Attention, FeedForward, ModelArgs, RMSNorm, TransformerBlock, apply_rotary_emb,
+                   precompute_freqs_cis, repeat_kv)
 from runner import ModelRunner
 from tokenizer import Tokenizer
 from tp import init_distributed, parallelize_llama_attn_block, weight_plan
 
 __all__ = ["ModelArgs", "RMSNorm", "Attention", "FeedForward", "TransformerBlock", "Transformer", "Llama",
            "precompute_freqs_cis", "apply_rotary_emb", "repeat_kv", "tp_llama", "parallelize_llama_attn_block"]
+
+
+class Transformer(model.Transformer):
+    """The network (model.Transformer, which the runner drives with attention metadata) that
+    can also be called as Meta's reference calls it: model(tokens, start_pos) -> logits
+    (batch, seq, vocab), over a KV cache of its own in which row i of the batch is cache row
+    i (runner.ModelRunner.__call__). tp_llama gives it the runner it serves with and its
+    tokenizer, so that generate(model, ...) and text_completion(model, tokenizer, ...) take it
+    as TorchServe's tp_llama example passes it; a bare one makes its runner when first called."""
+
+    def __init__(self, params: ModelArgs):
+        super().__init__(params)
+        self._runner: ModelRunner | None = None
+        self.tokenizer = None
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The runner that holds this model's KV cache: max_batch_size rows of max_seq_len
+        tokens, on the weights' device (made again if the model has moved since)."""
+        if self._runner is None or self._runner.device != self.tok_embeddings.weight.device:
+            self._runner = ModelRunner(self, self.params.max_batch_size, self.params.max_seq_len)
+        return self._runner
+
+    @runner.setter
+    def runner(self, runner: ModelRunner):
+        self._runner = runner
+
+    def forward(self, tokens: torch.Tensor, start_pos, attn_meta=None, logits_at: torch.Tensor | None = None):
+        """The seed's call, forward(tokens (batch, seq), start_pos); or the runner's, whose second
+        argument is every token's position (model.Transformer.forward)."""
+        if attn_meta is None:
+            return self.runner(tokens, start_pos)
+        return super().forward(tokens, start_pos, attn_meta, logits_at)
 
 
 def resolve_model_args(model_args: ModelArgs | None, checkpoint_args: dict, tokenizer: Tokenizer) -> ModelArgs:
@@ -67,6 +101,7 @@ def tp_llama(model_args, checkpoint_path, tokenizer_path, world_size, dtype: tor
         kv_cache_bytes = free_memory_share(device, kv_cache_memory)
     runner = ModelRunner(model, max_batch_size or args.max_batch_size, max_seq_len or args.max_seq_len,
                          kv_cache_bytes=kv_cache_bytes, attention=attention)
+    model.runner, model.tokenizer = runner, tokenizer
     report("kv cache allocated", bytes=runner.kv_cache_bytes())
     return Llama(model, tokenizer, runner)
 
@@ -113,7 +148,8 @@ class Llama:
     def __init__(self, model: Transformer, tokenizer, runner: ModelRunner | None = None):
         self.model = model
         self.tokenizer = tokenizer
-        self.runner = runner or ModelRunner(model, model.params.max_batch_size, model.params.max_seq_len)
+        self.runner = runner or getattr(model, "runner", None) or ModelRunner(model, model.params.max_batch_size,
+                                                                              model.params.max_seq_len)
 
     def text_completion(self, prompts: list[str], max_gen_len: int | None = None, **options) -> list[generate.CompletionPrediction]:
         return generate.text_completion(self, self.tokenizer, prompts, max_gen_len, **options)
