@@ -325,7 +325,11 @@ class Engine:
         """Sample a token for each sequence from its row of logits (rank 0's choice for every
         rank), within its grammar's mask (masks: start_masks'), and append it. A sequence with
         proposed tokens (seq.draft) has a row for each after its own: while the token sampled
-        is the one proposed, it stands (its cache entry with it) and the next row samples."""
+        is the one proposed, it stands (its cache entry with it) and the next row samples:
+        each token costs a sampled row one draw, as without proposals. Drawing from p and
+        keeping the proposal when the draw gives it is Leviathan et al.'s rejection sampling
+        for a proposal of one token (q(draft) = 1: accepted with probability p(draft), else
+        a token from p without it), exact, and with no draw of its own."""
         depth, going = 0, list(range(len(seqs)))
         accepted = [0] * len(seqs)
         bitmask = masks.result() if masks else None
@@ -336,7 +340,7 @@ class Engine:
                 bitmask = masks.result() if masks else None
             drafts = [s.draft[depth] if depth < len(s.draft) else None for s in group]
             raw = logits[[rows[i] + depth for i in going]]
-            next_tokens = sample(adjust_logits(raw, group, bitmask), group, drafts)
+            next_tokens = sample(adjust_logits(raw, group, bitmask), group)
             if collectives.tp_world()[1] > 1:
                 collectives.broadcast(next_tokens, src=0)
             self.append_all(group, raw, next_tokens)

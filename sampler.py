@@ -10,6 +10,9 @@ from sequence import Sequence
 from structured import apply_bitmask
 
 
+TOP_P_CANDIDATES = 64  # the most probable tokens looked at first for the top-p set (a sort of all is the fallback)
+
+
 def nucleus(probs: torch.Tensor, p) -> tuple[torch.Tensor, torch.Tensor]:
     """probs sorted in descending order with the tokens outside the top-p set zeroed and the
     rest renormalised, and the sorted tokens' ids."""
@@ -25,6 +28,18 @@ def top_p_count(probs_sort: torch.Tensor, p) -> torch.Tensor:
     (p <= 0 would keep none)."""
     before = torch.cumsum(probs_sort, dim=-1) - probs_sort  # mass of the more probable tokens
     return (before < p).sum(dim=-1, keepdim=True).clamp(min=1)
+
+
+def top_p_least(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """(b, 1): the least probability in each row's top-p set. The set is found among the
+    TOP_P_CANDIDATES most probable tokens when they hold it (a top-k costs a thirtieth of a
+    sort of 50k tokens), else among all."""
+    top = torch.topk(probs, min(TOP_P_CANDIDATES, probs.shape[-1]), dim=-1).values
+    count = top_p_count(top, p)
+    if bool((count < top.shape[-1]).all()):  # every set ends before the last candidate
+        return top.gather(-1, count - 1)
+    probs_sort = torch.sort(probs, dim=-1, descending=True).values
+    return probs_sort.gather(-1, top_p_count(probs_sort, p) - 1)
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, presence: torch.Tensor,
@@ -50,7 +65,7 @@ def top_k_filter(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     -inf; k <= 0 keeps every token."""
     vocab = logits.shape[-1]
     k = torch.where((k <= 0) | (k > vocab), vocab, k)
-    kth = torch.sort(logits, dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
+    kth = torch.topk(logits, int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
@@ -85,23 +100,19 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], bitmask: torch.Ten
     return logits
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], drafts: list[int | None] | None = None) -> torch.Tensor:
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Each row's next token (b,): the most probable one where the temperature is 0, else a
     draw after temperature, top-k and top-p, from the sequence's own generator when it has a
     seed (so that its tokens do not depend on the other rows).
 
     A draw is an exponential race, as vLLM's sampler makes it: each token of the vocabulary
-    draws q ~ Exp(1), in token-id order, and the token of the top-p set with the largest
-    p / q wins (token t with probability p_t over the set's mass). Draws follow the token
-    ids, not the order of a sort, and tokens as probable as the last one of the top-p set
-    stay in with it: two tokens of equal probability that trade places under rounding
-    (in another batch, at another TP size) change neither the set nor the winner.
-
-    drafts: a proposed token per row, or None (speculative decoding). A greedy row's
-    proposal stands if it is the most probable token; a sampled row's with probability
-    p(draft) (a proposal is one token, not a distribution: q(draft) = 1), else the row draws
-    from the residual, p without the proposal, renormalised (Leviathan et al.'s rejection
-    sampling): the tokens are distributed as without the proposal."""
+    draws q = -log(u), u uniform (so q ~ Exp(1)), in token-id order, and the token of the
+    top-p set with the largest p / q wins (token t with probability p_t over the set's mass).
+    Draws follow the token ids, not the order of a sort, and tokens as probable as the last
+    one of the top-p set stay in with it: two tokens of equal probability that trade places
+    under rounding (in another batch, at another TP size) change neither the set nor the
+    winner. A row costs its generator one draw of the vocabulary, whatever else the step
+    holds: a proposed token (speculative decoding) stands when the draw gives it."""
     tokens = logits.argmax(dim=-1)
     rows = [i for i, s in enumerate(seqs) if s.params.temperature > 0]
     if not rows:
@@ -112,40 +123,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], drafts: list[int | None] 
     if any(p.top_k > 0 for p in params):
         scaled = top_k_filter(scaled, to_device([p.top_k for p in params], device))
     probs = torch.softmax(scaled, dim=-1)
-    top_p = to_device([p.top_p for p in params], device, probs.dtype)[:, None]
-    probs_sort = torch.sort(probs, dim=-1, descending=True).values
-    least = probs_sort.gather(-1, top_p_count(probs_sort, top_p) - 1)  # the top-p set's least probability
+    least = top_p_least(probs, to_device([p.top_p for p in params], device, probs.dtype)[:, None])
     kept = probs.masked_fill((probs < least) | (probs == 0), 0.0)
-    accepted = {}
-    if drafts is not None:
-        accepted = accept_drafts(kept, [(j, drafts[i], seqs[i].generator) for j, i in enumerate(rows)
-                                        if drafts[i] is not None])
-    q = torch.stack([torch.empty_like(probs[0]).exponential_(generator=seqs[i].generator) for i in rows])
+    q = torch.stack([torch.empty_like(probs[0]).uniform_(generator=seqs[i].generator) for i in rows]).log_().neg_()
     # masked after dividing: a draw of q = 0 makes 0 / 0
     tokens[index] = (kept / q).masked_fill_(kept == 0, -1.0).argmax(dim=-1)
-    for j, token in accepted.items():
-        tokens[rows[j]] = token
     return tokens
-
-
-def accept_drafts(kept: torch.Tensor, drafts: list[tuple[int, int, torch.Generator | None]]) -> dict[int, int]:
-    """The rows of kept (b, vocab: probabilities, not normalised) whose proposed token stands,
-    each with probability p(token) = kept[token] / kept.sum(); drafts: (row, token,
-    generator). A row whose proposal is rejected is left to draw from its residual."""
-    accepted = {}
-    for row, token, generator in drafts:
-        u = torch.rand((), generator=generator, device=kept.device)
-        if u * kept[row].sum() < kept[row, token]:
-            accepted[row] = token
-        else:
-            residual(kept, row, token)
-    return accepted
-
-
-def residual(kept: torch.Tensor, row: int, token: int):
-    """After a rejected proposal, the row's distribution is p - q clipped at 0, renormalised:
-    with q all on the proposed token, p without it (written in place)."""
-    kept[row, token] = 0.0
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[list[float], list[list]]:

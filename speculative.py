@@ -1,7 +1,7 @@
 """Speculative decoding's proposers: tokens that a decoding sequence probably continues with,
 which the engine verifies in one forward pass (a step that scores k + 1 tokens reads the
 weights once, as a step that makes one does) and keeps as far as the model agrees
-(sampler.sample with drafts: exact for greedy, the same distribution for sampling).
+(Engine.advance: exact for greedy, the same distribution and seeded draws for sampling).
 
 - NgramProposer (prompt lookup): the longest recent n-gram of the sequence's tokens that
   occurred earlier in them proposes the tokens that followed it; no weights.

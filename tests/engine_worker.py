@@ -145,7 +145,8 @@ def mixed(llama, async_scheduling: bool) -> dict:
     """Requests of the kinds a server mixes, decoded by run(4) as a server's iterations do,
     with a pool small enough to preempt: seeded draws at temperature 1; greedy ones ended by
     a stop string, a stop id and max_gen_len; and ones whose sampling reads their tokens on
-    the host (penalties, logprobs, min_tokens), whose steps wait for them. The stop string
+    the host (penalties, logprobs, min_tokens), whose steps wait for them (and which end
+    sooner, so that steps without them run ahead, whatever the draws). The stop string
     and id come from a greedy run of the first prompt. Returns each one's tokens, text,
     finish reason and logprobs, the preemptions, and how many rows each step carried on the
     device (asynchronous scheduling's)."""
@@ -158,8 +159,9 @@ def mixed(llama, async_scheduling: bool) -> dict:
     stop_text = seq.text[len(seq.text) // 2:][:3]
     settings = [dict(temperature=1.0, seed=1), dict(temperature=0, stop=(stop_text,)),
                 dict(temperature=1.0, seed=2, top_k=20), dict(temperature=0, stop_token_ids=(seq.tokens[5],)),
-                dict(temperature=0.8, seed=3, frequency_penalty=0.5), dict(temperature=0, max_gen_len=1),
-                dict(temperature=1.0, seed=4, logprobs=True, top_logprobs=2), dict(temperature=0, min_tokens=6),
+                dict(temperature=0.8, seed=3, frequency_penalty=0.5, max_gen_len=N_NEW // 2),
+                dict(temperature=0, max_gen_len=1), dict(temperature=1.0, seed=4, logprobs=True, top_logprobs=2,
+                                                         max_gen_len=N_NEW // 2), dict(temperature=0, min_tokens=6),
                 dict(temperature=1.0, seed=5, top_p=0.8, logit_bias={seq.tokens[2]: 3.0})]
     max_seq_len = llama.runner.max_seq_len
     llama.runner.allocate(max_seq_len=64, num_blocks=10)  # 4 blocks a sequence: 2 or 3 fit

@@ -6,6 +6,7 @@ residual resampling is what keeps them so); prompt lookup; the settings."""
 import pytest
 import torch
 
+import engine
 import sampler
 from engine import Engine
 from engine_worker import draft_model, speculated
@@ -96,6 +97,34 @@ def test_tp2_speculation_matches_tp1(llama, plain, draft, tmp_path):
             assert rank[method]["accepted"] == tp1["accepted"], method
 
 
+def seeded_among(llama, proposer, others: int) -> tuple[list[int], int]:
+    """A seeded sampled request that repeats itself (so that prompt lookup proposes), decoded
+    with proposer (None: without speculation) among `others` other requests (unseeded,
+    sampled): its tokens, and how many tokens were proposed."""
+    tok = llama.tokenizer
+    spec = proposer and Speculation(proposer, 4, max_batch=2, max_seq_len=llama.runner.max_seq_len)
+    engine = Engine(llama.runner, tok, max_seqs=9, speculation=spec)
+    prompt = tok.encode("the sun was a balance of the water, and the sun was a balance of the water, and", bos=True,
+                        eos=False)
+    seq = engine.add(prompt, SamplingParams(max_gen_len=24, temperature=0.9, seed=11, ignore_eos=True))
+    for i in range(others):
+        engine.add(tok.encode(f"Request {i} asks", bos=True, eos=False), SamplingParams(max_gen_len=24, temperature=1.0))
+    while engine.running:
+        engine.step()
+    return seq.tokens, spec.proposed if spec else 0
+
+
+def test_a_seeded_answer_does_not_depend_on_load_or_speculation(llama):
+    """Alone, speculation proposes for the request (2 sequences at most: max_batch); among 8
+    others it does not: the tokens are those of plain decoding either way (a draw from p
+    that keeps the proposal when it gives it costs the generator what plain decoding does)."""
+    plain_tokens, _ = seeded_among(llama, None, 0)
+    alone, proposed = seeded_among(llama, NgramProposer(), 0)
+    among, proposed_among = seeded_among(llama, NgramProposer(), 8)
+    assert proposed > 0 and proposed_among == 0
+    assert alone == plain_tokens == among
+
+
 # --- sampling: the same distribution ---------------------------------------------------------
 
 SAMPLES = 1536
@@ -162,11 +191,21 @@ def float_draft(llama):
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_sampling_keeps_the_distribution(llama, float_draft, unspeculated, method, monkeypatch):
     """Two tokens after the first, drawn with and without speculation: a chi-square test does
-    not reject that they are alike at the 1 % level; with the residual resampling removed
-    (a rejected proposal's row drawing from p, the proposal included), it does."""
+    not reject that they are alike at the 1 % level; with proposing rows biased (their second
+    most probable token turned into the most probable, which is what the proposers mostly
+    propose), it does."""
     proposer = NgramProposer() if method == "ngram" else DraftProposer(float_draft)
     assert chi_square_p(draws(llama, proposer), unspeculated) > 0.01
-    monkeypatch.setattr(sampler, "residual", lambda kept, row, token: None)
+    real_sample = sampler.sample
+
+    def biased(logits, seqs):
+        tokens = real_sample(logits, seqs)
+        for i, s in enumerate(seqs):
+            first, second = logits[i].topk(2).indices.tolist()
+            if s.draft and tokens[i] == second:
+                tokens[i] = first
+        return tokens
+    monkeypatch.setattr(engine, "sample", biased)
     assert chi_square_p(draws(llama, proposer), unspeculated) < 0.01
 
 
