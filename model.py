@@ -200,8 +200,9 @@ class Transformer(nn.Module):
 
     def tie_weights(self):
         """Share the embedding with the output projection when the checkpoint ties them (split
-        over the ranks, both hold the same part of the vocabulary)."""
-        if self.params.tie_word_embeddings:
+        over the ranks, both hold the same part of the vocabulary). A quantized output
+        projection (quant.py) is a copy of the embedding in its own format: left as it is."""
+        if self.params.tie_word_embeddings and isinstance(self.output, nn.Linear):
             self.output.weight = self.tok_embeddings.weight
 
     def setup_rope(self, n_positions: int):

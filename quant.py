@@ -24,7 +24,8 @@ FP8_CAPABILITY = (8, 9)  # the first CUDA GPUs (Ada, Hopper) that multiply FP8
 INT4_GROUP_SIZE = 32  # divides every Llama-2/3 shard up to TP=8 (Llama-2-7B's w2 at TP=8 is 1376 wide)
 INT4_GROUP_SIZES = (32, 64, 128)
 # The output projection is quantized in int8 in both modes: it costs no perplexity and reads a quarter
-# of its fp32 bytes (docs/quantization.md, the output projection).
+# of its fp32 bytes (docs/quantization.md, the output projection). Tied to the embedding, it is an
+# int8 copy of it: the embedding stays in full precision for its lookups.
 OUTPUT_MODE = {"int8": "int8", "int4": "int8", "fp8": "fp8"}
 ROW_PARALLEL = ("attention.wo", "feed_forward.w2")  # their shards hold part of each row
 
@@ -166,12 +167,10 @@ def check_device(mode: str, device: torch.device):
 
 def projections(model: nn.Module, mode: str) -> dict[str, str]:
     """{name: int8 or int4} of the linear layers that mode quantizes: every projection in the
-    blocks, and the output projection (OUTPUT_MODE) unless it is the tied embedding. The
-    embedding and the norms stay in full precision."""
+    blocks, and the output projection (OUTPUT_MODE). The embedding and the norms stay in
+    full precision."""
     chosen = {f"layers.{name}": mode for name, m in model.layers.named_modules() if isinstance(m, nn.Linear)}
-    if model.output.weight is not model.tok_embeddings.weight:
-        chosen["output"] = OUTPUT_MODE[mode]
-    return chosen
+    return chosen | {"output": OUTPUT_MODE[mode]}
 
 
 def check(model: nn.Module, mode: str, group_size: int = INT4_GROUP_SIZE):
@@ -209,9 +208,9 @@ def quantize(model: nn.Module, mode: str, group_size: int = INT4_GROUP_SIZE, fil
     tied = model.output.weight is model.tok_embeddings.weight
     for name in [name for name, _ in model.named_modules()]:  # names: a replaced module must be freed
         module = model.get_submodule(name)
-        if fill is not None and any(True for _ in module.parameters(recurse=False)):
-            if tied and module is model.output:
-                continue  # the embedding's weight: tie_weights() shares it again afterwards
+        if tied and module is model.output:
+            module.weight = model.tok_embeddings.weight  # loaded (fill made it anew): quantized as it is
+        elif fill is not None and any(True for _ in module.parameters(recurse=False)):
             fill(name, module)
         if name in chosen:
             parent = model.get_submodule(name.rpartition(".")[0])  # all-reduces row-parallel outputs
