@@ -2,7 +2,8 @@
 size) and Hugging Face's (config.json + *.safetensors): their model arguments, tensor names
 and shards, and the slices of them (Pieces) that a weight plan loads into a model. Both are
 read through memory maps, so a rank touches only the slices it keeps; the files themselves
-are opened and checked by weight_files.py (nothing is unpickled beyond plain tensors)."""
+are opened and checked by weight_files.py (nothing is unpickled beyond plain tensors).
+A checkpoint that is a file, not a folder, is a GGUF file (gguf_checkpoint.py)."""
 
 import dataclasses
 import glob
@@ -12,12 +13,15 @@ import re
 
 import torch
 
+import gguf_checkpoint
 from model import META_ROPE_SCALING
 from weight_files import CheckpointError, SafetensorsFile, check_zip, load_pth, safetensors_header
 from weight_plan import Checkpoint, Piece, check_shape, narrow
 
 
 def open_checkpoint(path: str) -> Checkpoint:
+    if os.path.isfile(path):
+        return gguf_checkpoint.GGUFCheckpoint(path)
     return MetaCheckpoint(path) if is_meta(path) else HFCheckpoint(path)
 
 
@@ -35,8 +39,11 @@ def is_meta(folder: str) -> bool:
 def inspect(path: str) -> tuple[dict, int | None]:
     """(model arguments, the context length the checkpoint was made for, None where it does
     not say) of the checkpoint at path, after checking that its weights files are all there
-    and none is cut short. Reads the JSON files, safetensors headers and the .pth files' zip
-    directories, no weights: this is the check before a server starts."""
+    and none is cut short. Reads the JSON files, safetensors headers, the .pth files' zip
+    directories and a GGUF file's header and tensor table, no weights: this is the check
+    before a server starts."""
+    if os.path.isfile(path):
+        return gguf_checkpoint.inspect(path)
     if is_meta(path):
         args = meta_params(path)
         for shard in meta_shards(path):
