@@ -214,10 +214,13 @@ class Blocks(NamedTuple):
 class GGUFCheckpoint(Checkpoint):
     def __init__(self, path: str):
         self.path = path
-        self.reader = open_reader(path)
-        self.model_args = llama_args(self.reader, path)
-        check_tensor_table(self.reader, self.model_args["n_layers"], path)
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        # The reader is not kept: its parsed metadata, an object per token and merge (100 MB
+        # for SmolLM2's 49,152 tokens), goes with it; the tensors keep the file's map.
+        reader = open_reader(path)
+        self.model_args = llama_args(reader, path)
+        check_tensor_table(reader, self.model_args["n_layers"], path)
+        self.tensors = {t.name: t for t in reader.tensors}
+        self.file = reader.data  # the np.memmap they view
         self.tied = self.model_args["tie_word_embeddings"]
 
     def blocks(self, piece: Piece) -> Blocks:
@@ -254,8 +257,7 @@ class GGUFCheckpoint(Checkpoint):
         """Unmap the file's pages under data from this process (MADV_DONTNEED; they are clean
         pages of a read-only map, which stay in the page cache and are read again if touched):
         a rank's resident memory is then its shard, not also every page of the file it read."""
-        file_map = self.reader.data.base  # the mmap.mmap under GGUFReader's np.memmap
-        start = data.ctypes.data - self.reader.data.ctypes.data
+        start = data.ctypes.data - self.file.ctypes.data
         end = start + (len(data) - 1) * data.strides[0] + data.shape[1]
         start -= start % mmap.PAGESIZE
-        file_map.madvise(mmap.MADV_DONTNEED, start, end - start)
+        self.file.base.madvise(mmap.MADV_DONTNEED, start, end - start)  # base: the np.memmap's mmap.mmap
