@@ -248,17 +248,16 @@ def test_make_serves_check_refuses_what_the_model_does_not_implement(files, tmp_
 
 
 def test_make_serves_check_sees_the_files_heads_and_context(files, tmp_path, monkeypatch, capsys):
-    """TP=3 does not divide the file's 8 heads; TP=2 passes, the file served in place (an
-    absolute path, as a folder is); its context_length (512) bounds handler.max_seq_len. The
-    check reads no weights."""
-    path = files["llama3"][2]
-
+    """TP=2 does not divide SmolLM2's 9 heads; the Llama 3-style file passes at TP=2, served in
+    place (an absolute path, as a folder is), and its context_length (512) bounds
+    handler.max_seq_len. The check reads no weights."""
     def read_into(*args):
         raise AssertionError("the check read weights")
 
     monkeypatch.setattr(GGUFCheckpoint, "read_into", read_into)
-    line = cannot_serve(path, tmp_path, monkeypatch, capsys, "--tp", "3")
-    assert f"TP=3 does not fit the model in {path} (8 heads, 2 KV heads)" in line, line
+    line = cannot_serve(SMOLLM2, tmp_path, monkeypatch, capsys, "--tp", "2")
+    assert f"TP=2 does not fit the model in {SMOLLM2} (9 heads, 3 KV heads)" in line, line
+    path = files["llama3"][2]
     line = cannot_serve(path, tmp_path, monkeypatch, capsys, "--tp", "2", "--set", "handler.max_seq_len=1024")
     assert "handler.max_seq_len 1024 is beyond the 512 positions" in line and "context_length" in line, line
     line = configure_line(path, tmp_path, monkeypatch, capsys, "--tokenizer", TOKENIZER, "--tp", "2")

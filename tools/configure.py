@@ -93,6 +93,7 @@ def check(config: dict, weights: str | None = None) -> str:
     if folder is None:
         return f"not checked: {settings.checkpoint} is inside the archive (give --weights)"
     args, positions = checkpoint.inspect(folder)
+    model = fitting_tp(args, folder, tp)  # the checkpoint's own facts first, the tokenizer's next
     tokenizer_path = on_disk(settings.tokenizer or settings.checkpoint, weights)
     try:
         tokenizer_path = tokenizer_file(tokenizer_path)  # a folder's tokenizer.json or tokenizer.model
@@ -112,7 +113,6 @@ def check(config: dict, weights: str | None = None) -> str:
         raise ValueError(f"the tokenizer {tokenizer_path} has {n_words} tokens, the model in {folder} "
                          f"{vocab}: they are not the same vocabulary")
 
-    model = fitting_tp(args, folder, tp)
     draft = settings.speculative.draft and on_disk(settings.speculative.draft, weights)
     if draft:  # a draft model in the archive is checked when the workers load it
         draft_args, _ = checkpoint.inspect(draft)
