@@ -92,9 +92,9 @@ class Reader(GGUFReader):
 def open_reader(path: str) -> Reader:
     try:
         return Reader(path)
+    except CheckpointError:  # a ValueError, already named
+        raise
     except (ValueError, KeyError, IndexError) as e:  # not GGUF, or a header cut short or corrupt
-        if isinstance(e, CheckpointError):
-            raise
         raise CheckpointError(f"{path} is not a GGUF file that can be read ({type(e).__name__}: {e})") from None
 
 
@@ -143,13 +143,14 @@ def llama_args(reader: Reader, path: str) -> dict:
         refuse(f"rope scaling of type {get('llama.rope.scaling.type')!r}")
     theta = get("llama.rope.freq_base", 10000.0)
     tensors = {t.name: t for t in reader.tensors}
+    rope_freqs = tensors.get(ROPE_FREQS)
     tokens = fields.get("tokenizer.ggml.tokens")
     return {"dim": dim, "n_layers": get("llama.block_count"), "n_heads": n_heads,
             "n_kv_heads": get("llama.attention.head_count_kv", n_heads),
             "vocab_size": get("llama.vocab_size", len(tokens.data) if tokens else -1),
             "intermediate_size": get("llama.feed_forward_length"),
             "norm_eps": get("llama.attention.layer_norm_rms_epsilon"), "rope_theta": theta,
-            "rope_scaling": llama3_scaling(tensors[ROPE_FREQS], theta, head_dim, path) if ROPE_FREQS in tensors else None,
+            "rope_scaling": llama3_scaling(rope_freqs, theta, head_dim, path) if rope_freqs is not None else None,
             "max_position_embeddings": get("llama.context_length", None),
             "tie_word_embeddings": "output.weight" not in tensors}
 

@@ -231,7 +231,8 @@ def write_gguf(path: str, args, state: dict):
                 "llama.attention.head_count": args.n_heads, "llama.attention.head_count_kv": args.n_kv_heads,
                 "llama.attention.layer_norm_rms_epsilon": args.norm_eps, "llama.rope.freq_base": args.rope_theta,
                 "llama.vocab_size": args.vocab_size}
-    make_checkpoint.write_gguf(path, metadata, {gguf_checkpoint.gguf_name(name, False): (t.numpy(), gguf.GGMLQuantizationType.F32)
+    f32 = gguf.GGMLQuantizationType.F32
+    make_checkpoint.write_gguf(path, metadata, {gguf_checkpoint.gguf_name(name, False): (t.numpy(), f32)
                                                 for name, t in state.items()})
 
 
