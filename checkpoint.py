@@ -2,34 +2,33 @@
 size) and Hugging Face's (config.json + *.safetensors): their model arguments, tensor names
 and shards, and the slices of them (Pieces) that a weight plan loads into a model. Both are
 read through memory maps, so a rank touches only the slices it keeps; the files themselves
-are opened and checked by weight_files.py (nothing is unpickled beyond plain tensors)."""
+are opened and checked by weight_files.py (nothing is unpickled beyond plain tensors).
+A checkpoint that is a file, not a folder, is a GGUF file (gguf_checkpoint.py)."""
 
 import dataclasses
 import glob
 import json
 import os
 import re
-from dataclasses import dataclass
 
 import torch
 
+import gguf_checkpoint
+from model import META_ROPE_SCALING
 from weight_files import CheckpointError, SafetensorsFile, check_zip, load_pth, safetensors_header
+from weight_plan import Checkpoint, Piece, check_shape, narrow
 
 
-@dataclass(frozen=True)
-class Piece:
-    """The slice [start, end) along dim (None: the whole tensor) of checkpoint tensor
-    `name` (Meta's names), whose full shape must be `shape`."""
-    name: str
-    shape: tuple
-    dim: int | None = None
-    start: int = 0
-    end: int = 0
+def open_checkpoint(path: str) -> Checkpoint:
+    """The reader of a checkpoint folder, a GGUF file, or a Meta .pth file (params.json beside it)."""
+    if is_gguf(path):
+        return gguf_checkpoint.GGUFCheckpoint(path)
+    return MetaCheckpoint(path) if is_meta(path) else HFCheckpoint(path)
 
 
-def open_checkpoint(folder: str):
-    """The reader of a checkpoint folder, or of a Meta .pth file (params.json beside it)."""
-    return MetaCheckpoint(folder) if is_meta(folder) else HFCheckpoint(folder)
+def is_gguf(path: str) -> bool:
+    """Whether path is a file to read as GGUF: any file but a Meta .pth (the seed's checkpoint_path)."""
+    return os.path.isfile(path) and not path.endswith(".pth")
 
 
 def is_meta(folder: str) -> bool:
@@ -46,55 +45,23 @@ def is_meta(folder: str) -> bool:
     raise CheckpointError(f"{folder} holds neither params.json (Meta layout) nor config.json (Hugging Face layout)")
 
 
-def inspect(folder: str) -> tuple[dict, int | None]:
+def inspect(path: str) -> tuple[dict, int | None]:
     """(model arguments, the context length the checkpoint was made for, None where it does
-    not say) of the checkpoint in folder, after checking that its weights files are all there
-    and none is cut short. Reads the JSON files, safetensors headers and the .pth files' zip
-    directories, no weights: this is the check before a server starts."""
-    if is_meta(folder):
-        args = meta_params(folder)
-        for path in meta_shards(folder):
-            check_zip(path)
+    not say) of the checkpoint at path, after checking that its weights files are all there
+    and none is cut short. Reads the JSON files, safetensors headers, the .pth files' zip
+    directories and a GGUF file's header and tensor table, no weights: this is the check
+    before a server starts."""
+    if is_gguf(path):
+        return gguf_checkpoint.inspect(path)
+    if is_meta(path):
+        args = meta_params(path)
+        for shard in meta_shards(path):
+            check_zip(shard)
         return args, None  # Meta's params.json does not record it
-    args, config = hf_config(folder)
-    for path in safetensors_paths(folder):
-        safetensors_header(path)
+    args, config = hf_config(path)
+    for file in safetensors_paths(path):
+        safetensors_header(file)
     return args, config.get("max_position_embeddings")
-
-
-class Checkpoint:
-    folder: str
-    model_args: dict  # ModelArgs keyword arguments
-
-    def tensor(self, piece: Piece) -> torch.Tensor:
-        raise NotImplementedError
-
-    @torch.no_grad()
-    def load_into(self, model: torch.nn.Module, plan: dict[str, list[Piece]], progress=None) -> int:
-        """Fill every parameter of model from the slices that plan names for it. Returns the
-        bytes read; progress, if given, is called with the bytes read so far after each parameter."""
-        params = dict(model.named_parameters())
-        if set(params) != set(plan):
-            raise CheckpointError(f"weight plan and model disagree on {sorted(set(params) ^ set(plan))}")
-        read = 0
-        for name, pieces in plan.items():
-            parts = [self.tensor(p) for p in pieces]
-            value = parts[0] if len(parts) == 1 else torch.cat(parts)
-            params[name].copy_(value)
-            read += sum(p.nbytes for p in parts)
-            if progress:
-                progress(read)
-        return read
-
-
-def narrow(t: torch.Tensor, piece: Piece) -> torch.Tensor:
-    return t if piece.dim is None else t.narrow(piece.dim, piece.start, piece.end - piece.start)
-
-
-def check_shape(piece: Piece, shape, where: str):
-    if tuple(shape) != tuple(piece.shape):
-        raise CheckpointError(f"tensor {piece.name} in {where} has shape {tuple(shape)}, "
-                              f"the model needs {tuple(piece.shape)}")
 
 
 # --- Meta layout -----------------------------------------------------------------------
@@ -108,13 +75,9 @@ META_ARGS = {"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple
 MP_SPLIT_DIM = {"tok_embeddings": 1, "output": 0, "wq": 0, "wk": 0, "wv": 0, "wo": 1,
                 "w1": 0, "w3": 0, "w2": 1}
 
-# Meta's constants for use_scaled_rope (llama-models' apply_scaling); the factor may be
-# given in params.json as rope_scaling_factor (Llama 3.2 1B/3B were trained with 32).
-META_ROPE_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192}
-
-
 def meta_model_args(params: dict, path: str) -> dict:
+    """params.json's arguments; use_scaled_rope means Meta's constants (META_ROPE_SCALING),
+    with the factor of rope_scaling_factor where given (Llama 3.2 1B/3B were trained with 32)."""
     params = dict(params)
     scaled = params.pop("use_scaled_rope", False)
     factor = params.pop("rope_scaling_factor", None)

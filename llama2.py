@@ -77,7 +77,8 @@ def tp_llama(model_args, checkpoint_path, tokenizer_path, world_size, dtype: tor
              max_batch_size: int | None = None, max_seq_len: int | None = None, kv_cache_bytes: int = 0,
              progress=None, quantization: str | None = None, attention: str = "auto", kv_cache_memory: float = 0.0):
     """Build a Llama sharded over world_size ranks from a Meta or Hugging Face checkpoint
-    folder. Each rank reads only its own slices of the (memory-mapped) checkpoint.
+    folder or a GGUF file (checkpoint.open_checkpoint). Each rank reads only its own slices of
+    the (memory-mapped) checkpoint. tokenizer_path None: the checkpoint's own tokenizer.
     max_batch_size and max_seq_len, when given, size the KV cache instead of model_args;
     kv_cache_bytes, when given, is the KV cache's size on each rank instead, and
     kv_cache_memory (on a GPU) its share of the GPU memory left free after loading. progress,

@@ -80,6 +80,12 @@ def precompute_freqs_cis(dim: int, end: int, theta: float = 10000.0, rope_scalin
     return torch.polar(torch.ones_like(freqs), freqs)
 
 
+# Meta's constants for Llama 3.1's RoPE scaling (llama-models' apply_scaling: use_scaled_rope);
+# Llama 3.2 1B/3B were trained with factor 32.
+META_ROPE_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192}
+
+
 def llama3_scaled_freqs(freqs: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
                         original_max_position_embeddings: int) -> torch.Tensor:
     """Llama 3.1's RoPE scaling: wavelengths longer than the original context / low_freq_factor

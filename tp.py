@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import checkpoint
 import collectives
 from model import Attention, FeedForward, ModelArgs, Transformer
+from weight_plan import Piece
 
 
 def init_distributed(world_size: int) -> torch.device:
@@ -95,7 +95,7 @@ def parallelize_llama_attn_block(model: Transformer, world_size: int):
         model.tie_weights()
 
 
-def weight_plan(model: Transformer, rank: int, world_size: int) -> dict[str, list[checkpoint.Piece]]:
+def weight_plan(model: Transformer, rank: int, world_size: int) -> dict[str, list[Piece]]:
     """For each parameter of this rank's model, the checkpoint slices (by Meta names) that
     fill it, stacked along dim 0: this is where the stacked projections are mapped."""
     args = model.params
@@ -105,7 +105,6 @@ def weight_plan(model: Transformer, rank: int, world_size: int) -> dict[str, lis
     kv_rows = (kv_heads.start * hd, kv_heads.stop * hd)
     ffn_part = hidden // world_size
     ffn_rows = (rank * ffn_part, (rank + 1) * ffn_part)
-    Piece = checkpoint.Piece
 
     rows = model.tok_embeddings.num_embeddings  # the rank's part of the vocabulary, or all of it
     start = model.embed_start

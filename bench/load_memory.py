@@ -2,11 +2,14 @@
 
     python bench/load_memory.py [--dim 1024 --layers 8 --heads 16 --kv-heads 8] [--layouts meta hf]
                                 [--quantizations none int8 int4]
+    python bench/load_memory.py --gguf [FILE ...]
 
 writes a random checkpoint (Meta layout MP=1 and/or Hugging Face safetensors), loads it with
 llama2.tp_llama at TP=1 (a plain process) and TP=2 (torchrun, gloo, CPU), unquantized and
 quantized at load (tp_llama(quantization=...)), and writes a table into BENCHMARKS.md between
-the load_memory markers. Each rank reports, from /proc/self/status:
+the load_memory markers. --gguf writes the random checkpoint as an F32 GGUF file instead and
+also loads each FILE (GGUF) at every TP up to 3 that divides its heads, into the
+load_memory_gguf section. Each rank reports, from /proc/self/status:
 
   VmHWM    peak resident set (the kernel's high-water mark, reset after imports). It counts
            the clean page-cache pages of the memory-mapped checkpoint that the rank touched.
@@ -29,6 +32,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 import report  # noqa: E402
 TOKENIZER = os.path.join(ROOT, "demo", "tokenizer.model")
 MB = 1 << 20
@@ -136,34 +140,41 @@ def malloc_trim() -> dict:
 def spanned_bytes(folder: str, plan: dict) -> int:
     """Bytes of the checkpoint's pages that the slices in plan lie on: what a rank must
     fault in, at least, to read its shard through the memory map. Computed from the
-    views' addresses, without reading them (single-file checkpoints: Meta MP=1 or one
-    safetensors file)."""
+    views' addresses, without reading them (single-file checkpoints: Meta MP=1, one
+    safetensors file or a GGUF file)."""
     import checkpoint
+    import gguf_checkpoint
 
     reader = checkpoint.open_checkpoint(folder)
     page = os.sysconf("SC_PAGE_SIZE")
     pages = set()
     for pieces in plan.values():
         for piece in pieces:
-            if isinstance(reader, checkpoint.MetaCheckpoint):
-                t = reader.shards[0][piece.name]
+            if isinstance(reader, gguf_checkpoint.GGUFCheckpoint):
+                rows = reader.blocks(piece).data  # (rows, bytes)
+                start, row_bytes, stride = rows.ctypes.data, rows.shape[1], rows.strides[0]
             else:
-                name = checkpoint.hf_name(piece.name, reader.tied)
-                t = reader.location[name].tensor(name)
-            t = checkpoint.narrow(t, piece)
-            rows = t.view(-1, t.shape[-1]) if t.dim() > 1 else t.view(1, -1)
-            row_bytes, stride = rows.shape[1] * rows.element_size(), rows.stride(0) * rows.element_size()
+                if isinstance(reader, checkpoint.MetaCheckpoint):
+                    t = reader.shards[0][piece.name]
+                else:
+                    name = checkpoint.hf_name(piece.name, reader.tied)
+                    t = reader.location[name].tensor(name)
+                t = checkpoint.narrow(t, piece)
+                rows = t.view(-1, t.shape[-1]) if t.dim() > 1 else t.view(1, -1)
+                start, row_bytes = rows.data_ptr(), rows.shape[1] * rows.element_size()
+                stride = rows.stride(0) * rows.element_size()
             for r in range(rows.shape[0]):
-                start = rows.data_ptr() + r * stride
-                pages.update(range(start // page, (start + row_bytes - 1) // page + 1))
+                at = start + r * stride
+                pages.update(range(at // page, (at + row_bytes - 1) // page + 1))
     return len(pages) * page
 
 
 # --- the checkpoint -----------------------------------------------------------------------
 
 def write_checkpoint(out: str, dim: int, layers: int, heads: int, kv_heads: int, layouts: list[str]):
-    """Random fp32 weights in Meta layout (params.json + consolidated.00.pth) and/or Hugging
-    Face layout (config.json + model.safetensors); returns ({layout: folder}, bytes, ModelArgs)."""
+    """Random fp32 weights in Meta layout (params.json + consolidated.00.pth), Hugging Face
+    layout (config.json + model.safetensors) and/or an F32 GGUF file (model.gguf); returns
+    ({layout: folder or file}, bytes, ModelArgs)."""
     import torch
     from safetensors.torch import save_file
 
@@ -201,7 +212,28 @@ def write_checkpoint(out: str, dim: int, layers: int, heads: int, kv_heads: int,
                        "intermediate_size": args.ffn_hidden_dim, "rms_norm_eps": args.norm_eps,
                        "rope_theta": args.rope_theta, "tie_word_embeddings": False}, f)
         folders["hf"] = folder
+    if "gguf" in layouts:
+        path = os.path.join(out, "model.gguf")
+        write_gguf(path, args, state)
+        folders["gguf"] = path
     return folders, size, args
+
+
+def write_gguf(path: str, args, state: dict):
+    """state (Meta names and layout, which are GGUF's q and k rows' too) as an F32 GGUF file."""
+    import gguf
+
+    import gguf_checkpoint
+    import make_checkpoint
+
+    metadata = {"general.architecture": "llama", "llama.block_count": args.n_layers,
+                "llama.embedding_length": args.dim, "llama.feed_forward_length": args.ffn_hidden_dim,
+                "llama.attention.head_count": args.n_heads, "llama.attention.head_count_kv": args.n_kv_heads,
+                "llama.attention.layer_norm_rms_epsilon": args.norm_eps, "llama.rope.freq_base": args.rope_theta,
+                "llama.vocab_size": args.vocab_size}
+    f32 = gguf.GGMLQuantizationType.F32
+    make_checkpoint.write_gguf(path, metadata, {gguf_checkpoint.gguf_name(name, False): (t.numpy(), f32)
+                                                for name, t in state.items()})
 
 
 # --- the driver ---------------------------------------------------------------------------
@@ -255,9 +287,9 @@ def summary(rows: list[tuple[str, int, dict]], row_bytes: dict) -> str:
         "Reading the table:",
         f"- Private memory is the shard. After loading (and malloc_trim), RssAnon has grown by the shard kept plus "
         f"the KV cache, to within {max_off:.0f} MB on every rank. The peak is up to "
-        f"{span([max(r['peak_anon'] - r['trimmed'], 0) for r in rs])} MB higher: temporaries (torch.cat of the "
-        f"pieces of the fused wqkv and w13, the copy that the rotary un-permutation makes of Hugging Face q/k "
-        f"rows), whose memory glibc keeps after they are freed.",
+        f"{span([max(r['peak_anon'] - r['trimmed'], 0) for r in rs])} MB higher: temporaries (the copy that the "
+        f"rotary un-permutation makes of Hugging Face q/k rows, GGUF blocks dequantized a chunk at a time), whose "
+        f"memory glibc keeps after they are freed.",
         "- VmHWM also counts the checkpoint pages that the rank faulted in through its memory map (RssFile). They "
         "are clean page-cache pages, one copy shared by all ranks of the host and reclaimable, but they stay "
         "mapped, so the per-rank peak RSS is about the shard plus what was read"
@@ -272,7 +304,7 @@ def summary(rows: list[tuple[str, int, dict]], row_bytes: dict) -> str:
             f"and with rows of {row_bytes['wo']} and {row_bytes['w2']} bytes (pages of {os.sysconf('SC_PAGE_SIZE')}) "
             "the half-rows lie on most pages of those tensors: up to one extra page at each end of each row's slice. The rest of the RssFile peak is the kernel mapping neighbouring "
             "page-cache pages on each fault (fault-around, large folios). Private memory is not affected: "
-            "the slices are copied into the rank's parameters (through one temporary for the fused wqkv and w13).")
+            "each slice is copied straight into its rows of the rank's parameter (Checkpoint.load_into).")
     text += quantized_summary(rows)
     text.append(
         "- Not done, possible: after copying each parameter, Checkpoint.load_into could "
@@ -324,7 +356,11 @@ def main():
     ap.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4"], choices=["none", "int8", "int4"])
     ap.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
+    ap.add_argument("--gguf", nargs="*", metavar="FILE",
+                    help="the GGUF section: the random checkpoint as an F32 GGUF file, and each FILE")
     a = ap.parse_args()
+    if a.gguf is not None:
+        return gguf_section(a)
 
     tmp = tempfile.mkdtemp(prefix="load_memory_ckpt_")
     try:
@@ -346,6 +382,65 @@ def main():
                f"VmHWM is reset there (/proc/self/clear_refs). Figures in MB.\n\n{table(rows)}\n\n"
                f"{summary(rows, row_bytes)}\n")
     report.publish("load_memory", section, not a.no_write)
+
+
+def gguf_section(a):
+    """The random checkpoint as an F32 GGUF file at --world-sizes, and each --gguf file at every
+    TP up to 3 that fits its heads, into the load_memory_gguf section."""
+    tmp = tempfile.mkdtemp(prefix="load_memory_ckpt_")
+    try:
+        files, size, _ = write_checkpoint(tmp, a.dim, a.layers, a.heads, a.kv_heads, ["gguf"])
+        rows = [("random, F32 GGUF", ws, r) for ws in a.world_sizes for q in a.quantizations
+                for r in run_ranks(files["gguf"], ws, q)]
+    finally:
+        shutil.rmtree(tmp)
+    for path in a.gguf:
+        rows += [(os.path.basename(path), ws, r) for ws in fitting_world_sizes(path) for q in a.quantizations
+                 for r in run_ranks(os.path.abspath(path), ws, q)]
+    section = (f"## Checkpoint loading from GGUF: peak resident memory per rank\n\n"
+               f"`python bench/load_memory.py --gguf {' '.join(a.gguf)}` — {report.header()}.\n\n"
+               f"The random checkpoint above ({size / MB:.0f} MB: dim {a.dim}, {a.layers} layers, {a.heads} heads, "
+               f"{a.kv_heads} KV heads) written as an F32 GGUF file, and "
+               f"{', '.join(a.gguf) or 'no file'} at every TP up to 3 that fits its heads; columns as above, "
+               f"figures in MB.\n\n{table(rows)}\n\n{gguf_summary(rows)}\n")
+    report.publish("load_memory_gguf", section, not a.no_write)
+
+
+def fitting_world_sizes(path: str) -> list[int]:
+    import checkpoint
+    import llama2
+    import tp
+
+    args = llama2.ModelArgs(**checkpoint.inspect(path)[0])
+
+    def fits(ws: int) -> bool:
+        try:
+            for rank in range(ws):
+                tp.head_ranges(args, rank, ws)
+        except ValueError:
+            return False
+        return args.ffn_hidden_dim % ws == 0
+
+    return [ws for ws in (1, 2, 3) if fits(ws)]
+
+
+def gguf_summary(rows: list[tuple[str, int, dict]]) -> str:
+    """Each rank's peak resident memory against its shard (target at TP=2: at most 1.2 times)."""
+    lines = ["Peak resident memory (VmHWM − before, the KV cache included) over the shard the rank keeps:"]
+    for layout, ws, r in rows:
+        ratio = (r["hwm"] - r["before"]["VmRSS"]) / r["shard"]
+        lines.append(f"- {layout}, TP={ws}, rank {r['rank']}, {r['quantization']}: {ratio:.2f}"
+                     + (f" (target at TP=2: at most 1.20: {'met' if ratio <= 1.2 else 'NOT met'})" if ws == 2 else ""))
+    extra = {layout: max(r["peak_anon"] - r["before"]["RssAnon"] - r["shard"] - r["kv_cache"]
+                         for lay, _, r in rows if lay == layout) / MB
+             for layout, _, _ in rows}
+    lines.append("\nPrivate memory at its peak beyond the shard and the KV cache, the most over the ranks: "
+                 + "; ".join(f"{layout}: {mb:.0f} MB" for layout, mb in extra.items())
+                 + ". Dequantizing a chunk of rows at a time keeps the temporaries small (the random file has no "
+                 "vocabulary); a file that holds its tokenizer pays for GGUFReader's parse of its metadata, an "
+                 "object per token and merge, freed with the reader once read (gguf_checkpoint.GGUFCheckpoint) "
+                 "but in part still resident, at every TP alike.")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -113,13 +113,15 @@ def start_demo_server(workdir, env: dict | None = None, faults: bool = False, **
                         handler={"max_seq_len": SERVER_MAX_SEQ_LEN} | handler, **files)
 
 
-def configure_line(folder: str, tmp_path, monkeypatch, capsys) -> str:
-    """What tools/configure.py, as `make serve` runs it, ends with for folder: the line it
-    exits with ('cannot serve: ...') or what it prints when it accepts the checkpoint."""
+def configure_line(folder: str, tmp_path, monkeypatch, capsys, *options: str) -> str:
+    """What tools/configure.py, as `make serve` runs it, ends with for folder (and more
+    command-line options): the line it exits with ('cannot serve: ...') or what it prints
+    when it accepts the checkpoint."""
     import configure
 
     out = str(tmp_path / "build" / "model-config.yaml")
-    monkeypatch.setattr(sys, "argv", ["configure.py", "--out", out, "--checkpoint", folder, "--device", "cpu"])
+    monkeypatch.setattr(sys, "argv", ["configure.py", "--out", out, "--checkpoint", folder, "--device", "cpu",
+                                      *options])
     try:
         configure.main()
     except SystemExit as e:

@@ -79,16 +79,21 @@ def check(config: dict, weights: str | None = None) -> str:
     every rank fail to load: a setting the handler refuses (serving_config: an unknown key, a
     value of the wrong type or out of range); a checkpoint folder that is missing, in neither
     layout, incomplete or with a file cut short, an index that names files by path (outside
-    the folder), a safetensors header whose tensors lie outside their file; a missing
+    the folder), a safetensors header whose tensors lie outside their file; a GGUF file cut
+    short, of another architecture or with a tensor type or feature the model does not
+    implement (gguf_checkpoint.py); a missing
     tokenizer or one whose vocabulary does not fit the model, or a chat template that fails on
     a sample dialog; a TP size that does not divide the model's heads, KV heads or FFN width
     (or more ranks than GPUs); a max_seq_len beyond the positions the model was made for.
-    Reads the checkpoint's JSON files and file headers, no weights."""
+    Reads the checkpoint's JSON files and file headers, no weights. The tokenizer is built
+    here as the workers build it (tokenizer.Tokenizer: a GGUF file's own vocabulary when the
+    checkpoint is one), so that what it refuses is refused here too."""
     settings, tp = ServingConfig.from_model_config(config), int(config["torchrun"]["nproc-per-node"])
     folder = on_disk(settings.checkpoint, weights)
     if folder is None:
         return f"not checked: {settings.checkpoint} is inside the archive (give --weights)"
     args, positions = checkpoint.inspect(folder)
+    model = fitting_tp(args, folder, tp)  # the checkpoint's own facts first, the tokenizer's next
     tokenizer_path = on_disk(settings.tokenizer or settings.checkpoint, weights)
     try:
         tokenizer_path = tokenizer_file(tokenizer_path)  # a folder's tokenizer.json or tokenizer.model
@@ -108,7 +113,6 @@ def check(config: dict, weights: str | None = None) -> str:
         raise ValueError(f"the tokenizer {tokenizer_path} has {n_words} tokens, the model in {folder} "
                          f"{vocab}: they are not the same vocabulary")
 
-    model = fitting_tp(args, folder, tp)
     draft = settings.speculative.draft and on_disk(settings.speculative.draft, weights)
     if draft:  # a draft model in the archive is checked when the workers load it
         draft_args, _ = checkpoint.inspect(draft)
@@ -119,7 +123,8 @@ def check(config: dict, weights: str | None = None) -> str:
     max_seq_len = settings.max_seq_len
     if positions and max_seq_len > positions:
         raise ValueError(f"handler.max_seq_len {max_seq_len} is beyond the {positions} positions the model "
-                         f"in {folder} was made for (config.json max_position_embeddings)")
+                         f"in {folder} was made for (config.json max_position_embeddings, a GGUF file's "
+                         f"context_length)")
     if settings.quantization_mode:
         on = "cuda" if config.get("deviceType") == "gpu" else "cpu"
         quant.check_device(settings.quantization_mode, torch.device(on))
@@ -154,7 +159,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--tp", type=int)
     ap.add_argument("--threads", type=int, help="CPU threads per rank")
-    ap.add_argument("--checkpoint", help="a Meta or Hugging Face folder served in place (not copied)")
+    ap.add_argument("--checkpoint", help="a Meta or Hugging Face folder, or a GGUF file, served in place (not copied)")
     ap.add_argument("--tokenizer")
     ap.add_argument("--weights", help="the folder build_mar.py packs into the archive as weights/ (to check it)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -1,7 +1,8 @@
-"""Write small random Llama checkpoints in Hugging Face and Meta layouts, from one set of
-weights, for tests and benchmarks. The weights come from transformers' LlamaForCausalLM
-(the numerical reference); the Meta layout is derived from them the way Meta's and Hugging
-Face's conversion scripts relate the two (rotary permutation, fairscale splits).
+"""Write small random Llama checkpoints in Hugging Face and Meta layouts and as GGUF files,
+from one set of weights, for tests and benchmarks. The weights come from transformers'
+LlamaForCausalLM (the numerical reference); the Meta layout is derived from them the way
+Meta's and Hugging Face's conversion scripts relate the two (rotary permutation, fairscale
+splits), and GGUF the way llama.cpp's convert_hf_to_gguf.py writes a Llama.
 
     python tools/make_checkpoint.py OUT --tokenizer demo/tokenizer.model --dim 512 --layers 8 \
         --heads 8 --kv-heads 8 --layouts hf meta:1 meta:2
@@ -14,6 +15,7 @@ import os
 import shutil
 import sys
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -115,6 +117,179 @@ def write_layouts(model, out: str, tokenizer_path: str, layouts: list[str], hf_s
         shutil.copy(tokenizer_path, os.path.join(folder, "tokenizer.model"))
         folders[layout] = folder
     return folders
+
+
+# --- GGUF, as llama.cpp's convert_hf_to_gguf.py writes a Llama ----------------------------
+
+GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight"}
+GGUF_LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                    "post_attention_layernorm": "ffn_norm"}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in GGUF_NAMES:
+        return GGUF_NAMES[hf_name]
+    _, _, layer, part = hf_name.removesuffix(".weight").split(".", 3)
+    return f"blk.{layer}.{GGUF_LAYER_NAMES[part]}.weight"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute of q and k rows (n_head: the KV heads for
+    k). Rows move whole, so it applies to a quantized tensor's rows of blocks alike."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_freqs(config) -> np.ndarray:
+    """rope_freqs.weight: each frequency's divisor, computed as the converter's
+    LlamaModel.generate_extra_tensors computes it for rope_type llama3."""
+    scaling, dim = config.rope_parameters, config.hidden_size // config.num_attention_heads
+    base = scaling["rope_theta"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    divisors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < context / high:
+            divisors.append(1)
+        elif wavelen > context / low:
+            divisors.append(factor)
+        else:
+            smooth = (context / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
+
+
+def gguf_metadata(model, vocab_size: bool = True) -> dict:
+    """The llama.* metadata the converter writes for model (vocab_size: with llama.vocab_size,
+    which older converters left out)."""
+    c = model.config
+    meta = {"general.architecture": "llama", "llama.block_count": c.num_hidden_layers,
+            "llama.context_length": c.max_position_embeddings, "llama.embedding_length": c.hidden_size,
+            "llama.feed_forward_length": c.intermediate_size, "llama.attention.head_count": c.num_attention_heads,
+            "llama.attention.head_count_kv": c.num_key_value_heads,
+            "llama.rope.freq_base": float(c.rope_parameters["rope_theta"]),
+            "llama.attention.layer_norm_rms_epsilon": float(c.rms_norm_eps),
+            "llama.rope.dimension_count": c.hidden_size // c.num_attention_heads}
+    return meta | ({"llama.vocab_size": c.vocab_size} if vocab_size else {})
+
+
+def gguf_tensors(model, blocks: dict | None = None) -> dict:
+    """{GGUF name: (data, ggml type)}: model's weights under GGUF names, q and k rows
+    permuted; F32 but where blocks ({GGUF name: (blocks, type)}, from quantize_weights)
+    gives a tensor's blocks; no output.weight when tied; rope_freqs.weight for llama3 RoPE."""
+    from gguf import GGMLQuantizationType
+
+    blocks, c = blocks or {}, model.config
+    out = {}
+    for hf_name, w in model.state_dict().items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        name = gguf_name(hf_name)
+        data, qtype = blocks.get(name, (w.detach().float().numpy(), GGMLQuantizationType.F32))
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            data = llama_cpp_permute(data, c.num_attention_heads if "attn_q" in name else c.num_key_value_heads)
+        out[name] = (data, qtype)
+    if c.rope_parameters["rope_type"] == "llama3":
+        out["rope_freqs.weight"] = (llama3_rope_freqs(c), GGMLQuantizationType.F32)
+    return out
+
+
+def sentencepiece_vocab(path: str) -> dict:
+    """The tokenizer.ggml.* metadata of a sentencepiece model, as the converter's
+    _set_vocab_sentencepiece writes it."""
+    import sentencepiece
+    from gguf import TokenType
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=path)
+
+    def token_type(i: int) -> int:
+        kinds = [(sp.IsUnknown, TokenType.UNKNOWN), (sp.IsControl, TokenType.CONTROL),
+                 (sp.IsUnused, TokenType.UNUSED), (sp.IsByte, TokenType.BYTE)]
+        return next((kind for is_kind, kind in kinds if is_kind(i)), TokenType.NORMAL).value
+
+    n = sp.vocab_size()
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default",
+            "tokenizer.ggml.tokens": [sp.IdToPiece(i) for i in range(n)],
+            "tokenizer.ggml.scores": [sp.GetScore(i) for i in range(n)],
+            "tokenizer.ggml.token_type": [token_type(i) for i in range(n)],
+            "tokenizer.ggml.bos_token_id": sp.bos_id(), "tokenizer.ggml.eos_token_id": sp.eos_id(),
+            "tokenizer.ggml.unknown_token_id": sp.unk_id()}
+
+
+def write_gguf(path: str, metadata: dict, tensors: dict):
+    """A GGUF file: metadata {key: value} (int: uint32, float: float32, as the converter
+    writes them) with general.architecture's value as the architecture; tensors as
+    gguf_tensors gives them."""
+    from gguf import GGUFValueType, GGUFWriter
+
+    metadata = dict(metadata)
+    writer = GGUFWriter(path, metadata.pop("general.architecture"))
+    types = {bool: GGUFValueType.BOOL, int: GGUFValueType.UINT32, float: GGUFValueType.FLOAT32,
+             str: GGUFValueType.STRING, list: GGUFValueType.ARRAY}
+    for key, value in metadata.items():
+        writer.add_key_value(key, value, types[type(value)])
+    for name, (data, qtype) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def save_gguf(model, path: str, tokenizer_path: str | None = None, blocks: dict | None = None,
+              vocab_size: bool = True):
+    """model as one GGUF file (see gguf_metadata, gguf_tensors), with tokenizer_path's
+    vocabulary (a sentencepiece model) when given."""
+    vocab = sentencepiece_vocab(tokenizer_path) if tokenizer_path else {}
+    write_gguf(path, gguf_metadata(model, vocab_size) | vocab, gguf_tensors(model, blocks))
+
+
+def quantize_weights(model, types: dict, seed: int = 0) -> dict:
+    """{GGUF name: (blocks, type)} for the tensors that types ({GGUF name: ggml type}) names,
+    each quantized by gguf.quants.quantize, or random blocks for the K-quants (gguf can
+    dequantize them, not quantize to them); model's weights become those blocks dequantized
+    (gguf.quants.dequantize), the reference the GGUF file must load as. Rows stay in
+    Hugging Face's order: gguf_tensors permutes q and k rows of blocks as it does floats."""
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(seed)
+    blocks = {}
+    with torch.no_grad():
+        for hf_name, p in model.named_parameters():
+            qtype = types.get(gguf_name(hf_name))
+            if qtype is None:
+                continue
+            w = p.detach().float().numpy()
+            data = random_k_blocks(w.shape, qtype, rng) if qtype.name.endswith("_K") else quantize(w, qtype)
+            p.copy_(torch.from_numpy(dequantize(data, qtype).reshape(w.shape)))
+            blocks[gguf_name(hf_name)] = (data, qtype)
+    return blocks
+
+
+def random_k_blocks(shape: tuple, qtype, rng) -> np.ndarray:
+    """Random Q4_K, Q5_K or Q6_K blocks whose weights come out about zero-mean with a std of
+    1 / sqrt(columns): random bytes, then the fp16 super-block scales set (d, and dmin as d
+    times the mean quant, which centres Q4_K's and Q5_K's d * scale * q - dmin * min)."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    rows, cols = shape
+    block, size = GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    d_at, dmin_at, mean_q = {"Q4_K": (0, 2, 7.5), "Q5_K": (0, 2, 15.5), "Q6_K": (size - 2, None, 0)}[qtype.name]
+
+    def set_scales(d: float):
+        data[..., d_at:d_at + 2] = np.float16(d).reshape(1).view(np.uint8)
+        if dmin_at is not None:
+            data[..., dmin_at:dmin_at + 2] = np.float16(d * mean_q).reshape(1).view(np.uint8)
+
+    set_scales(1.0)
+    set_scales(1 / (math.sqrt(cols) * dequantize(data.reshape(rows, -1), qtype).std()))
+    return data.reshape(rows, -1)
 
 
 # --- Llama 3 ---------------------------------------------------------------------------------
