@@ -189,18 +189,17 @@ def sentencepiece_bpe(meta: dict, vocab: dict[str, int], types: list[int]) -> To
 
 def sentencepiece_merges(vocab: dict[str, int], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
     """The merges a sentencepiece BPE vocabulary implies: each normal token cut in two tokens,
-    the best scored first (ties: the longer left part, then right part; then vocabulary order),
-    as transformers orders them. Control, byte and unused tokens are never merged into, as
-    sentencepiece never makes them from text."""
+    the best scored first (ties in vocabulary order). Control, byte and unused tokens are never
+    merged into, as sentencepiece never makes them from text."""
     merges = []
     for token, score, kind in zip(vocab, scores, types):
         if kind != NORMAL:
             continue
         if len(token) > MAX_PIECE_CHARS:
             raise ValueError(f"the GGUF file's token {token[:20]!r}... is {len(token)} characters long")
-        pairs = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
-        merges += sorted(((score, left, right) for left, right in pairs), key=lambda m: (vocab[m[1]], vocab[m[2]]))
-    merges.sort(key=lambda m: (-m[0], -len(m[1]), -len(m[2])))
+        merges += [(score, token[:k], token[k:]) for k in range(1, len(token))
+                   if token[:k] in vocab and token[k:] in vocab]
+    merges.sort(key=lambda m: -m[0])
     return [(left, right) for _, left, right in merges]
 
 

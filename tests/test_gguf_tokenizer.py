@@ -14,7 +14,7 @@ import shutil
 import gguf
 import pytest
 import regex
-from sentencepiece import SentencePieceProcessor
+from sentencepiece import SentencePieceProcessor, sentencepiece_model_pb2
 
 import chat_format
 import make_checkpoint
@@ -281,17 +281,46 @@ def test_add_bos_and_add_eos_are_honoured_as_transformers(llama3, tmp_path):
     assert tok.encode(text, bos=False, eos=True) == plain + [tok.eos_id]  # asked for: Llama 2's turns
 
 
+def test_sentencepiece_text_never_merges_into_a_control_token(tmp_path):
+    """A vocabulary where "<" + "s>" could make <s>: sentencepiece never makes a control token of
+    text, nor do we."""
+    model = sentencepiece_model_pb2.ModelProto()
+    with open(TOKENIZER, "rb") as f:
+        model.ParseFromString(f.read())
+    last = max(i for i, p in enumerate(model.pieces) if len(p.piece) > 1 and p.type == NORMAL)
+    model.pieces[last].piece = "s>"
+    (tmp_path / "sp.model").write_bytes(model.SerializeToString())
+    sp = Tokenizer(str(tmp_path / "sp.model"))
+    tok = Tokenizer(write_gguf(tmp_path / "sp.gguf", sentencepiece_metadata(str(tmp_path / "sp.model"))))
+    text = "a<s> b</s>"
+    ids = tok.encode(text, bos=False, eos=False)
+    assert ids == sp.encode(text, bos=False, eos=False) and last in ids
+    assert not set(ids) & set(tok.special_tokens.values())
+
+
 def test_sentencepiece_adds_bos_where_the_file_does_not_say(llama2, tmp_path):
     metadata = {k: v for k, v in llama2["metadata"].items() if k != "tokenizer.ggml.add_bos_token"}
     tok = Tokenizer(write_gguf(tmp_path / "nobos.gguf", metadata))
     assert tok.encode("Hello", bos=True, eos=False) == llama2["sentencepiece"].encode("Hello", bos=True, eos=False)
 
 
-def test_end_of_turn_ids_are_stops(llama3, tmp_path):
+def test_end_of_turn_and_end_of_message_ids_are_stops(llama3, tmp_path):
     meta = llama3["metadata"]
-    eot = meta["tokenizer.ggml.tokens"].index("<|reserved_special_token_5|>")
-    tok = Tokenizer(write_gguf(tmp_path / "eot.gguf", meta | {"tokenizer.ggml.eot_token_id": eot}))
-    assert eot in tok.stop_ids
+    eot, eom = (meta["tokenizer.ggml.tokens"].index(f"<|reserved_special_token_{i}|>") for i in (5, 6))
+    tok = Tokenizer(write_gguf(tmp_path / "eot.gguf", meta | {"tokenizer.ggml.eot_token_id": eot,
+                                                             "tokenizer.ggml.eom_token_id": eom}))
+    assert {eot, eom} <= tok.stop_ids
+
+
+def test_a_word_in_the_llama_bpe_vocabulary_is_one_token(llama3, tmp_path):
+    """llama.cpp's ignore_merges for Llama 3 (tiktoken's ranks work so): a word that is a token
+    needs no merge to make it."""
+    meta = llama3["metadata"]
+    added = {key: meta[key] + [value] for key, value in
+             (("tokenizer.ggml.tokens", "zqx"), ("tokenizer.ggml.token_type", NORMAL))}
+    tok = Tokenizer(write_gguf(tmp_path / "word.gguf", meta | added))
+    assert tok.encode("zqx zqx", bos=False, eos=False) == [tok.n_words - 1] + tok.encode(" zqx", bos=False, eos=False)
+    assert len(tok.encode(" zqx", bos=False, eos=False)) > 1  # " zqx" is not a token: merges make it
 
 
 def test_user_defined_tokens_are_text_matched_whole_as_transformers(llama3, tmp_path):
