@@ -356,6 +356,7 @@ BROKEN = {  # name: (the file's metadata -> the broken file's, what the error sa
     "no model": (lambda m: replaced(m, "tokenizer.ggml.model", None), "has no tokenizer.ggml.model"),
     "no tokens": (lambda m: replaced(m, "tokenizer.ggml.tokens", None), "has no tokenizer.ggml.tokens"),
     "tokens": (lambda m: replaced(m, "tokenizer.ggml.tokens", "abc"), "tokens is not list"),
+    "numbers": (lambda m: replaced(m, "tokenizer.ggml.tokens", list(range(768))), "tokens is not a list of str"),
     "twice": (lambda m: replaced(m, "tokenizer.ggml.tokens", m["tokenizer.ggml.tokens"][:-1] + ["a"]),
               "not a vocabulary"),
     "types": (lambda m: replaced(m, "tokenizer.ggml.token_type", m["tokenizer.ggml.token_type"][:-1]),
