@@ -4,7 +4,7 @@ made from. The files: SmolLM2-135M-Instruct's (byte-level BPE, pre-tokenizer "sm
 ChatML), and two written here with gguf.GGUFWriter as llama.cpp's converter writes them: a
 Llama 3 style one ("llama-bpe") from the tests' tiktoken ranks and their tokenizer.json, and a
 Llama 2 style one (sentencepiece) from demo/tokenizer.model; then variants of them whose
-metadata is unsupported or does not add up."""
+metadata is unsupported or does not add up. (TextStream on SmolLM2's file: test_tokenizer.py.)"""
 
 import json
 import os
@@ -111,13 +111,12 @@ def smollm2():
 @pytest.fixture(scope="module")
 def llama3(tmp_path_factory):
     """{"gguf", "transformers" (its GGUF tokenizer), "hf" (tokenizer.json), "tiktoken", "metadata"}"""
-    folder = tmp_path_factory.mktemp("gguf_llama3")  # the GGUF file alone in gguf/: transformers
-    # would read a tokenizer.json beside it instead
+    folder = tmp_path_factory.mktemp("gguf_llama3")
     ranks = make_checkpoint.train_llama3_ranks(llama3_training_text(), LLAMA3_RANKS)
     make_checkpoint.write_llama3_hf_tokenizer(ranks, str(folder), LLAMA3_TEMPLATE)
     write_tiktoken_ranks(ranks, str(folder / "ranks.model"))
     metadata = llama_bpe_metadata(str(folder / "tokenizer.json"))
-    os.mkdir(folder / "gguf")
+    os.mkdir(folder / "gguf")  # the GGUF file alone: transformers would read a tokenizer.json beside it
     path = write_gguf(folder / "gguf" / "llama3.gguf", metadata)
     return {"gguf": Tokenizer(path), "transformers": transformers_gguf(path), "hf": Tokenizer(str(folder)),
             "tiktoken": Tokenizer(str(folder / "ranks.model")), "metadata": metadata}
@@ -135,11 +134,6 @@ def llama2(tmp_path_factory):
 def text_prompt(hf, text: str) -> list[int]:
     """transformers' tokens of a text prompt, special-token text in it encoded as text."""
     return hf(text, split_special_tokens=True)["input_ids"]
-
-
-def stream_pieces(tok, prompt: list[int], new: list[int]) -> list[str]:
-    stream = TextStream(tok, prompt)
-    return [stream.add(t) for t in new] + [stream.flush()]
 
 
 # --- SmolLM2's file: byte-level BPE, "smollm" --------------------------------------------------
@@ -208,16 +202,6 @@ def test_smollm2_chat_prompt_equals_transformers(smollm2, dialog):
     assert chat_format.encode_dialog(tok, dialog) == list(expected)
 
 
-def test_smollm2_text_stream_pieces_add_up(smollm2):
-    tok, _ = smollm2
-    for text in CORPUS:
-        prompt = tok.encode("Say:", bos=True, eos=False)
-        new = tok.encode(text, bos=False, eos=False)
-        pieces = stream_pieces(tok, prompt, new)
-        assert "".join(pieces) == text
-        assert not any(p.endswith("\ufffd") for p in pieces[:-1])
-
-
 # --- a Llama 3 style file: "llama-bpe" ---------------------------------------------------------
 
 @pytest.mark.parametrize("text", CORPUS)
@@ -264,7 +248,8 @@ def test_sentencepiece_ids_tokens_and_stream(llama2):
     assert [tok.token_bytes(i) for i in range(tok.n_words)] == [sp.token_bytes(i) for i in range(sp.n_words)]
     for text in CORPUS:
         prompt, new = tok.encode("Say:", bos=True, eos=False), tok.encode(text, bos=False, eos=False)
-        pieces = stream_pieces(tok, prompt, new)
+        stream = TextStream(tok, prompt)
+        pieces = [stream.add(t) for t in new] + [stream.flush()]
         assert "".join(pieces) == tok.decode(prompt + new)[len(tok.decode(prompt)):]
         assert not any(p.endswith("\ufffd") for p in pieces[:-1])
 
