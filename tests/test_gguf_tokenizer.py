@@ -226,6 +226,13 @@ def test_llama_bpe_ids_stops_and_chat_equal_the_sources(llama3):
         assert ours == chat_format.encode_dialog(llama3["hf"], dialog) == list(expected)
 
 
+def test_gpt2_split_encodes_as_transformers(llama3, tmp_path):
+    path = write_gguf(tmp_path / "gpt2.gguf", llama3["metadata"] | {"tokenizer.ggml.pre": "gpt-2"})
+    tok, hf = Tokenizer(path), transformers_gguf(path)  # GPT-2's regex: transformers' default
+    for text in CORPUS:
+        assert tok.encode(text, bos=True, eos=False) == text_prompt(hf, text), text
+
+
 # --- a Llama 2 style file: sentencepiece ------------------------------------------------------
 
 @pytest.mark.parametrize("text", CORPUS)
