@@ -159,8 +159,8 @@ def ll_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> LLTokenizer:
     llguidance's own (Rust, so computing a mask never needs the GIL, and text it forces is
     tokenized as the tokenizer would)."""
     stops = sorted(tokenizer.stop_ids) or None
-    if isinstance(tokenizer, HFTokenizer):
-        return LLTokenizer(tokenizer.path, n_vocab=vocab_size, eos_token=stops, slices=SLICES)
+    if isinstance(tokenizer, HFTokenizer):  # its JSON: a GGUF file's tokenizer has no tokenizer.json
+        return LLTokenizer(tokenizer.model.to_str(), n_vocab=vocab_size, eos_token=stops, slices=SLICES)
     if isinstance(tokenizer, TiktokenTokenizer):
         return lltokenizer_from_encoding(tokenizer.model, n_vocab=vocab_size, eos_token=stops).with_slices(SLICES)
     table = SentencePieceTable(tokenizer, vocab_size)

@@ -4,7 +4,8 @@ the file rather than its name:
 
 - a sentencepiece model: Llama 2, CodeLlama;
 - Meta's Llama 3 tokenizer.model (tiktoken BPE ranks, one "base64 rank" line each);
-- Hugging Face's tokenizer.json, through the `tokenizers` library.
+- Hugging Face's tokenizer.json, through the `tokenizers` library;
+- a GGUF file's tokenizer metadata (llama.cpp's), rebuilt by gguf_vocab.py for `tokenizers`.
 
 Text given to encode() is always plain text: "<|eot_id|>" typed by a user encodes as the
 characters it is made of, never as the special token (Meta's behaviour). decode() leaves
@@ -43,6 +44,8 @@ def backend(path: str) -> type:
     """The Tokenizer class for a tokenizer file, from its first bytes."""
     with open(path, "rb") as f:
         head = f.read(4096)
+    if head.startswith(b"GGUF"):
+        return GGUFTokenizer
     if head.lstrip().startswith(b"{"):
         return HFTokenizer
     if TIKTOKEN_LINE.match(head):
@@ -238,15 +241,10 @@ class HFTokenizer(Tokenizer):
         super().__init__(model_path)
         from tokenizers import Tokenizer as HFBackend
 
-        self.model = HFBackend.from_file(self.path)
-        self.model.encode_special_tokens = True  # special-token text in the input stays text
+        self.use_backend(HFBackend.from_file(self.path))
         folder = os.path.dirname(os.path.abspath(self.path))
         generation = read_json(os.path.join(folder, "generation_config.json"))
         model_config = read_json(os.path.join(folder, "config.json"))
-        added = self.model.get_added_tokens_decoder()
-        self.special_tokens = {t.content: i for i, t in added.items() if t.special}
-        self.special_ids = frozenset(self.special_tokens.values())
-        self.n_words = self.model.get_vocab_size(with_added_tokens=True)
 
         def config_id(name: str) -> int | None:
             content = token_content(self.config.get(f"{name}_token"))
@@ -261,6 +259,16 @@ class HFTokenizer(Tokenizer):
         self.pad_id = -1 if pad is None else pad
         stops = set(as_ids(generation.get("eos_token_id"))) | set(as_ids(model_config.get("eos_token_id")))
         self.stop_ids = frozenset(stops | ({self.eos_id} if eos is not None else set()))
+
+    def use_backend(self, model):
+        """model (a tokenizers.Tokenizer) encodes and decodes: its special tokens, its size and
+        whether it spells bytes as GPT-2's byte-level BPE does."""
+        self.model = model
+        self.model.encode_special_tokens = True  # special-token text in the input stays text
+        added = self.model.get_added_tokens_decoder()
+        self.special_tokens = {t.content: i for i, t in added.items() if t.special}
+        self.special_ids = frozenset(self.special_tokens.values())
+        self.n_words = self.model.get_vocab_size(with_added_tokens=True)
         self.byte_level = "ByteLevel" in json.dumps(json.loads(self.model.to_str()).get("decoder"))
         self.byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
 
@@ -281,6 +289,27 @@ class HFTokenizer(Tokenizer):
         if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):  # sentencepiece's byte fallback
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode()
+
+
+class GGUFTokenizer(HFTokenizer):
+    """A GGUF file's tokenizer (gguf_vocab.py), served as HFTokenizer serves tokenizer.json.
+    The file holds what a folder's tokenizer_config.json would, so nothing beside it is read.
+    Its add_bos_token (add_eos_token) decides whether a text gets BOS (EOS): encode(s, bos=True,
+    eos=False) is a text prompt, transformers' tokenizer(s).input_ids and llama.cpp's."""
+
+    def __init__(self, model_path: str):  # not Tokenizer's: it reads tokenizer_config.json
+        import gguf_vocab
+
+        self.path = tokenizer_file(model_path)
+        vocab = gguf_vocab.read(self.path)
+        self.use_backend(vocab.backend)
+        self.bos_id, self.eos_id, self.pad_id = vocab.bos_id, vocab.eos_id, vocab.pad_id
+        self.stop_ids = vocab.stop_ids
+        self.add_bos, self.add_eos = vocab.add_bos, vocab.add_eos
+        self.config, self.chat_template = vocab.config, vocab.chat_template
+
+    def encode(self, s: str, bos: bool, eos: bool) -> list[int]:
+        return super().encode(s, bos and self.add_bos, eos or (bos and self.add_eos))
 
 
 def bytes_to_unicode() -> dict[int, str]:

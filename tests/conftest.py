@@ -72,6 +72,7 @@ def quick_tests_start_nothing(request, monkeypatch):
     monkeypatch.setattr(torchrun, "run_ranks", refuse)
 
 TOKENIZER = os.path.join(ROOT, "demo", "tokenizer.model")
+SMOLLM2 = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")  # make smollm2
 
 # name: (dim, layers, heads, kv_heads); "gqa" has fewer KV heads than TP=4 ranks
 CONFIGS = {"mha": (64, 2, 4, 4), "gqa": (64, 2, 8, 2)}

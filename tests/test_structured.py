@@ -1,9 +1,9 @@
 """structured.py on every tokenizer backend (the demo's sentencepiece, and a Llama 3 BPE
-trained here as Meta's tiktoken file and as tokenizer.json), with a model vocabulary larger
-than the tokenizer's: tokens drawn uniformly at random among those the mask allows, until
-the grammar is finished or a stop token is drawn, make text that the constraint accepts
-(jsonschema validates JSON, re.fullmatch regexes), and the mask never allows padding ids,
-special tokens, or a stop token where the grammar does not accept."""
+trained here as Meta's tiktoken file, as tokenizer.json and as a GGUF file), with a model
+vocabulary larger than the tokenizer's: tokens drawn uniformly at random among those the mask
+allows, until the grammar is finished or a stop token is drawn, make text that the constraint
+accepts (jsonschema validates JSON, re.fullmatch regexes), and the mask never allows padding
+ids, special tokens, or a stop token where the grammar does not accept."""
 
 import json
 import random
@@ -16,10 +16,11 @@ import torch
 import make_checkpoint
 import structured
 from conftest import LLAMA3_RANKS, TOKENIZER, llama3_training_text
+from test_gguf_tokenizer import llama_bpe_metadata, write_gguf
 from structured import Constraint
 from tokenizer import TextStream, Tokenizer, write_tiktoken_ranks
 
-BACKENDS = ["sentencepiece", "tiktoken", "hf"]
+BACKENDS = ["sentencepiece", "tiktoken", "hf", "gguf"]
 PADDING = 61  # model vocabulary rows past the tokenizer's; not a multiple of 32
 MAX_TOKENS = 5000
 
@@ -30,8 +31,9 @@ def tokenizers(tmp_path_factory) -> dict:
     ranks = make_checkpoint.train_llama3_ranks(llama3_training_text(), LLAMA3_RANKS)
     write_tiktoken_ranks(ranks, str(folder / "tokenizer.model"))
     make_checkpoint.write_llama3_hf_tokenizer(ranks, str(folder / "hf"))
+    gguf = write_gguf(folder / "llama3.gguf", llama_bpe_metadata(str(folder / "hf" / "tokenizer.json")))
     return {"sentencepiece": Tokenizer(TOKENIZER), "tiktoken": Tokenizer(str(folder / "tokenizer.model")),
-            "hf": Tokenizer(str(folder / "hf"))}
+            "hf": Tokenizer(str(folder / "hf")), "gguf": Tokenizer(gguf)}
 
 
 def vocabulary_of(tok: Tokenizer) -> structured.Vocabulary:

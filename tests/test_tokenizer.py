@@ -1,6 +1,7 @@
-"""TextStream, on every backend: the pieces it hands out add up exactly to what the
-generated tokens add to the prompt's text (decode(prompt + new) minus decode(prompt)), and
-no piece ends inside a character, whatever the tokens (random ids produce broken UTF-8)."""
+"""TextStream, on every backend (a GGUF file's too: SmolLM2's): the pieces it hands out add
+up exactly to what the generated tokens add to the prompt's text (decode(prompt + new) minus
+decode(prompt)), and no piece ends inside a character, whatever the tokens (random ids
+produce broken UTF-8)."""
 
 import os
 
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TOKENIZER
+from conftest import SMOLLM2, TOKENIZER
 from tokenizer import TextStream, Tokenizer
 
 
@@ -16,7 +17,7 @@ from tokenizer import TextStream, Tokenizer
 def backends(llama3):
     meta = llama3["meta_untied"][1]
     return {"sentencepiece": Tokenizer(TOKENIZER), "tiktoken": Tokenizer(os.path.join(meta["meta:2"], "tokenizer.model")),
-            "hf": Tokenizer(meta["hf"])}
+            "hf": Tokenizer(meta["hf"]), "gguf": Tokenizer(SMOLLM2)}
 
 
 def pieces_of(tok, prompt: list[int], new: list[int]) -> list[str]:
@@ -24,7 +25,7 @@ def pieces_of(tok, prompt: list[int], new: list[int]) -> list[str]:
     return [stream.add(t) for t in new] + [stream.flush()]
 
 
-@pytest.mark.parametrize("name", ["sentencepiece", "tiktoken", "hf"])
+@pytest.mark.parametrize("name", ["sentencepiece", "tiktoken", "hf", "gguf"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_pieces_add_up_to_the_continuation(backends, name, data):
@@ -38,7 +39,7 @@ def test_pieces_add_up_to_the_continuation(backends, name, data):
     assert not any(p.endswith("\ufffd") for p in pieces[:-1])
 
 
-@pytest.mark.parametrize("name", ["sentencepiece", "tiktoken", "hf"])
+@pytest.mark.parametrize("name", ["sentencepiece", "tiktoken", "hf", "gguf"])
 def test_pieces_of_text_are_whole_characters(backends, name):
     tok = backends[name]
     text = " Größe 日本語 😀🦙 and  two  spaces\nnew line"
