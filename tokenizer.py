@@ -235,7 +235,10 @@ def as_ids(value) -> list[int]:
 
 class HFTokenizer(Tokenizer):
     """tokenizer.json; bos, eos, pad and the stop ids from tokenizer_config.json,
-    generation_config.json and config.json beside it (eos_token_id may be a list)."""
+    generation_config.json and config.json beside it (eos_token_id may be a list). A text
+    gets BOS (EOS) where transformers' tokenizer(s).input_ids would: where tokenizer.json's
+    post-processor adds it (SmolLM2's adds none, Llama 3's <|begin_of_text|>; transformers 5
+    reads no add_bos_token beside such a tokenizer.json)."""
 
     def __init__(self, model_path: str):
         super().__init__(model_path)
@@ -259,6 +262,13 @@ class HFTokenizer(Tokenizer):
         self.pad_id = -1 if pad is None else pad
         stops = set(as_ids(generation.get("eos_token_id"))) | set(as_ids(model_config.get("eos_token_id")))
         self.stop_ids = frozenset(stops | ({self.eos_id} if eos is not None else set()))
+        added = self.model.encode("a", add_special_tokens=True).ids
+        self.add_bos, self.add_eos = added[:1] == [self.bos_id], added[-1:] == [self.eos_id]
+
+    def encode(self, s: str, bos: bool, eos: bool) -> list[int]:
+        """bos: a text prompt's BOS, where the tokenizer adds one (and its EOS, where it adds
+        that); eos: an EOS whatever the tokenizer adds."""
+        return super().encode(s, bos and self.add_bos, eos or (bos and self.add_eos))
 
     def use_backend(self, model):
         """model (a tokenizers.Tokenizer) encodes and decodes: its special tokens, its size and
@@ -293,9 +303,9 @@ class HFTokenizer(Tokenizer):
 
 class GGUFTokenizer(HFTokenizer):
     """A GGUF file's tokenizer (gguf_vocab.py), served as HFTokenizer serves tokenizer.json.
-    The file holds what a folder's tokenizer_config.json would, so nothing beside it is read.
-    Its add_bos_token (add_eos_token) decides whether a text gets BOS (EOS): encode(s, bos=True,
-    eos=False) is a text prompt, transformers' tokenizer(s).input_ids and llama.cpp's."""
+    The file holds what a folder's tokenizer_config.json would, so nothing beside it is read:
+    its add_bos_token (add_eos_token) decides whether a text gets BOS (EOS), as in transformers
+    and llama.cpp."""
 
     def __init__(self, model_path: str):  # not Tokenizer's: it reads tokenizer_config.json
         import gguf_vocab
@@ -307,9 +317,6 @@ class GGUFTokenizer(HFTokenizer):
         self.stop_ids = vocab.stop_ids
         self.add_bos, self.add_eos = vocab.add_bos, vocab.add_eos
         self.config, self.chat_template = vocab.config, vocab.chat_template
-
-    def encode(self, s: str, bos: bool, eos: bool) -> list[int]:
-        return super().encode(s, bos and self.add_bos, eos or (bos and self.add_eos))
 
 
 def bytes_to_unicode() -> dict[int, str]:

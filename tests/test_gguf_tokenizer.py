@@ -380,3 +380,22 @@ def test_broken_sentencepiece_metadata_and_files_are_value_errors(llama2, tmp_pa
         (tmp_path / "cut.gguf").write_bytes(f.read(5000))
     with pytest.raises(ValueError, match="is not a GGUF file that can be read"):
         Tokenizer(str(tmp_path / "cut.gguf"))
+
+
+@pytest.mark.parametrize("config", [{}, {"add_bos_token": False}, {"add_bos_token": True}])
+def test_a_hugging_face_folder_adds_bos_where_transformers_does(smollm2, llama3, tmp_path, config):
+    """A tokenizer.json folder: BOS where its post-processor adds it (Llama 3's does,
+    SmolLM2's adds nothing), whatever tokenizer_config.json's add_bos_token says, as
+    transformers' tokenizer(text).input_ids."""
+    from transformers import AutoTokenizer
+
+    for name, source in (("smollm2", smollm2[0]), ("llama3", llama3["hf"])):
+        folder = tmp_path / name
+        folder.mkdir()
+        source.model.save(str(folder / "tokenizer.json"))
+        bos = source.model.id_to_token(source.bos_id)
+        with open(folder / "tokenizer_config.json", "w") as f:
+            json.dump({"bos_token": bos, "tokenizer_class": "PreTrainedTokenizerFast"} | config, f)
+        ours, theirs = Tokenizer(str(folder)), AutoTokenizer.from_pretrained(str(folder))
+        for text in ("Hello world", " two  spaces", "1234"):
+            assert ours.encode(text, bos=True, eos=False) == theirs(text).input_ids, (name, config, text)

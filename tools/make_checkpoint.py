@@ -314,15 +314,20 @@ def write_llama3_hf_tokenizer(ranks: dict[bytes, int], folder: str, chat_templat
     """tokenizer.json made from the ranks by transformers' TikTokenConverter (what
     transformers uses for Llama 3), Llama 3's 256 special tokens, and the
     tokenizer_config.json / generation_config.json of an instruct model."""
+    from tokenizers import processors
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     os.makedirs(folder, exist_ok=True)
     ranks_path = os.path.join(folder, "ranks.tiktoken")
     write_tiktoken_ranks(ranks, ranks_path)
-    TikTokenConverter(vocab_file=ranks_path, pattern=LLAMA3_PATTERN, extra_special_tokens=llama3_special_tokens()) \
-        .converted().save(os.path.join(folder, "tokenizer.json"))
+    tokenizer = TikTokenConverter(vocab_file=ranks_path, pattern=LLAMA3_PATTERN,
+                                  extra_special_tokens=llama3_special_tokens()).converted()
     os.remove(ranks_path)
     ids = llama3_ids(len(ranks))
+    bos = ("<|begin_of_text|>", ids["<|begin_of_text|>"])  # as Meta's tokenizer.json adds it to a text
+    tokenizer.post_processor = processors.Sequence([tokenizer.post_processor, processors.TemplateProcessing(
+        single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B", special_tokens=[bos])])
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
     config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "tokenizer_class": "PreTrainedTokenizerFast",
               "model_max_length": 131072, "clean_up_tokenization_spaces": False}
     if chat_template:
