@@ -8,9 +8,10 @@ format its checkpoint was trained with:
 - otherwise Meta's Llama 2 layout ([INST] ... [/INST], <<SYS>>).
 
 A dialog may carry OpenAI's function tools and tool turns (an assistant's tool_calls, tool
-results): a template that reads `tools` gets them as transformers passes them; past a
-template that does not, and without one, Meta's Llama 3.1 JSON tool calling (Llama 3) or a
-system prompt that describes the functions (Llama 2) lays them out.
+results): a template gets them as transformers' apply_chat_template(tools=...) passes them,
+whether it shows them or not (SmolLM2's does not: such a model calls a tool only when
+tool_choice forces it); without a template, Meta's Llama 3.1 JSON tool calling (Llama 3) or
+a system prompt that describes the functions (Llama 2) lays them out.
 
 Whatever the format, the text of a message never becomes a special token, and a role is one
 of ROLES; a checkpoint's template renders within bounds of size, work and time.
@@ -23,7 +24,7 @@ import secrets
 
 import jinja2
 
-from chat_template import TemplateLimit, compile_template, given_names
+from chat_template import TemplateLimit, compile_template
 from tools import call_arguments, check_tool_calls, check_tools
 
 B_INST, E_INST = "[INST]", "[/INST]"
@@ -50,20 +51,7 @@ def encode_dialog(tokenizer, dialog, tools=None) -> list[int]:
     check_messages(dialog)
     tools = check_tools(tools)
     encode = {"template": encode_with_template, "llama3": encode_llama3, "llama2": encode_llama2}
-    return encode[dialog_format(tokenizer, dialog, tools)](tokenizer, dialog, tools)
-
-
-def dialog_format(tokenizer, dialog, tools) -> str:
-    """format_name, but Meta's format of the family for tools or tool calls that the
-    checkpoint's template cannot show, as it never reads `tools` (Llama 3.0's, Llama 2's)."""
-    name = format_name(tokenizer)
-    if name != "template" or not (tools or any(msg.get("tool_calls") for msg in dialog)):
-        return name
-    try:
-        reads_tools = "tools" in given_names(tokenizer.chat_template)
-    except Exception as e:
-        raise template_error(e) from None
-    return name if reads_tools else meta_format(tokenizer)
+    return encode[format_name(tokenizer)](tokenizer, dialog, tools)
 
 
 def check_messages(dialog, roles=ROLES):

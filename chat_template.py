@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from datetime import datetime
 
 import jinja2
-from jinja2 import meta, nodes
+from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
@@ -40,13 +40,6 @@ def compile_template(template: str):
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     del env.globals["lipsum"]  # paragraphs by the count: no chat template needs them
     return env.from_string(template)
-
-
-@functools.lru_cache(maxsize=8)
-def given_names(template: str) -> frozenset:
-    """The names template reads from what it is given (messages, tools, bos_token, ...), found
-    in its syntax tree without running it. Raises jinja2.TemplateSyntaxError."""
-    return frozenset(meta.find_undeclared_variables(jinja2.Environment(**OPTIONS).parse(template)))
 
 
 # --- bounds on a template's rendering -------------------------------------------------------

@@ -148,15 +148,18 @@ def test_no_tools_is_tools_none_and_a_template_refusal_is_a_value_error(tokenize
         chat_format.encode_dialog(tok, TWO_CALLS, TOOLS)
 
 
-def test_past_a_template_without_tools_meta_format_shows_them(tokenizers):
-    """A template that never reads `tools` cannot show them: Meta's format does. A tool
-    message alone (no tools, no calls) still goes to the template, as before."""
-    tok, meta = tokenizers["no tools"], tokenizers["llama3"]
-    assert chat_format.dialog_format(tok, ASKED, TOOLS) == "llama3"
-    for dialog, tools in ((ASKED, TOOLS), (CALLED, TOOLS), (ANSWERED, None), (TWO_CALLS, TOOLS)):
-        assert chat_format.encode_dialog(tok, dialog, tools) == chat_format.encode_dialog(meta, dialog, tools)
+def test_a_template_that_reads_no_tools_renders_as_transformers_does(tokenizers):
+    """A template that never reads `tools` (conftest.LLAMA3_TEMPLATE, SmolLM2's) is followed
+    all the same, as transformers follows it: the tools go unseen and earlier calls render
+    as the template renders an assistant message; its own refusals stay refusals."""
+    tok, reference = tokenizers["no tools"], tokenizers["reference"]
+    for dialog, tools in ((ASKED, TOOLS), (ASKED + [{"role": "assistant", "content": "Sunny."}], TOOLS)):
+        expected = reference.apply_chat_template(transformers_messages(dialog), tools=tools, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
+        assert chat_format.encode_dialog(tok, dialog, tools) == list(expected)
+    assert chat_format.encode_dialog(tok, ASKED, TOOLS) == chat_format.encode_dialog(tok, ASKED)
     with pytest.raises(ValueError, match="refused the dialog: Only user and assistant"):
-        chat_format.encode_dialog(tok, [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}])
+        chat_format.encode_dialog(tok, CALLED, TOOLS)
     with pytest.raises(ValueError, match="chat template does not compile"):
         chat_format.encode_dialog(with_template(tok, "{% for %}"), ASKED, TOOLS)
 
@@ -241,7 +244,7 @@ def tool_turns(extra: str) -> tuple[list, list]:
     return dialog, tools
 
 
-@pytest.mark.parametrize("fmt", ["llama31", "no tools", "llama3", "llama2"])
+@pytest.mark.parametrize("fmt", ["llama31", "llama3", "llama2"])
 def test_special_text_in_tool_fields_stays_text(tokenizers, fmt):
     """Forged special-token text in the tools' descriptions and schemas, the calls' ids and
     arguments (keys and values) and the results adds no special token."""
