@@ -167,6 +167,9 @@ def test_forced_calls_stream_as_they_answer(inflight):
     message = answer(inflight, "messages", body)
     (block,) = message["content"]
     assert block["type"] == "tool_use" and message["stop_reason"] == "tool_use"
+    count = answer(inflight, "v1/messages/count_tokens", {k: body[k] for k in ("model", "messages", "tools",
+                                                                              "tool_choice")})
+    assert count == {"input_tokens": message["usage"]["input_tokens"]}
     jsonschema.validate(block["input"], WEATHER)
     stream = events(inflight, "messages", body)
     assert json.loads("".join(e["delta"]["partial_json"] for e in stream if e["type"] == "content_block_delta")) \
