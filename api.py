@@ -1,4 +1,4 @@
-"""What the native and OpenAI APIs share: the Request a body is parsed into, the
+"""What the APIs (native, OpenAI's, Anthropic's) share: the Request a body is parsed into, the
 validators of its fields, turning a Request into prompts with sampling settings
 (sequences), and what serving.py asks of an API's answers (Format, Message). Every problem
 is a RequestError that names the field; it goes out as a 4xx."""
@@ -47,7 +47,7 @@ def dataclass_from(cls, values: dict | None, where: str):
 
 @dataclass
 class Request:
-    api: str  # "native", "completions" or "chat"
+    api: str  # "native", "completions", "chat", "responses" or "messages"
     chat: bool = False
     input_field: str = "prompt"  # the field the inputs came in: prompt, dialog or messages
     inputs: list = field(default_factory=list)  # prompt strings or token-id lists, or dialogs
@@ -60,6 +60,7 @@ class Request:
     include_usage: bool = False  # OpenAI stream_options.include_usage
     tools: list = field(default_factory=list)  # chat: the function tools the model may call (tools.py)
     tool_streams: dict = field(default_factory=dict)  # a streamed chat with tools: each choice's ToolCallStream
+    state: dict = field(default_factory=dict)  # an API's own: fields its answer repeats, its stream's progress
 
 
 @dataclass
@@ -117,6 +118,29 @@ def reject_constant(name):
 
 
 # --- field validators: each returns the value or raises RequestError naming the field ----
+
+def check_model(body: dict, model_name: str, required: bool = False):
+    """model, where given (or required), must name the model served: else a 404."""
+    model = body.get("model")
+    if model is None and required:
+        raise RequestError("model is required", "model")
+    if model is not None and model != model_name:
+        raise RequestError(f"The model `{model}` does not exist; this server serves `{model_name}`", "model", 404)
+
+
+def check_fields(body: dict, known: set, neutral: dict):
+    """body's keys are known ones, or others at a neutral value (null, or one of neutral's):
+    any other is refused by name rather than ignored."""
+    for name, value in body.items():
+        if name in known or value is None:
+            continue
+        if name not in neutral:
+            raise RequestError(f"unknown field {name!r}; accepted: {', '.join(sorted(known | set(neutral)))}",
+                               str(name))
+        if value not in neutral[name]:
+            raise RequestError(f"{name}={json.dumps(value)} is not supported (only {json.dumps(neutral[name][0])})",
+                               name)
+
 
 def get_bool(body: dict, name: str, default: bool = False) -> bool:
     value = body.get(name, default)
@@ -281,6 +305,10 @@ def get_top_logprobs(body: dict, logprobs: bool, needs: str) -> int:
 MIN_TEMPERATURE = 1e-5  # below it, greedy: logits / temperature would overflow float32 into NaN
 
 
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "ignore_eos", "speculative")
+
+
 def sampling_fields(body: dict, defaults: Defaults, top_p: str) -> dict:
     """temperature, top_p, top_k, seed, stop, penalties, logit_bias, min_tokens,
     stop_token_ids, ignore_eos and speculative (false: no speculative decoding for it),
@@ -374,7 +402,8 @@ class Message(NamedTuple):
 
 @runtime_checkable
 class Format(Protocol):
-    """An API's answers, by module: this one (native) and openai_api implement it."""
+    """An API's answers, by module: native_api, openai_api, responses_api and messages_api
+    implement it. error_tail ends a stream that began: req and meta are its request's."""
     STREAM_TYPE: str
 
     def answer(self, req: Request, seqs: list[Sequence], tokenizer, meta: dict) -> dict | list: ...
@@ -385,4 +414,4 @@ class Format(Protocol):
 
     def error(self, err: RequestError) -> dict: ...
 
-    def error_tail(self, err: RequestError) -> str: ...
+    def error_tail(self, err: RequestError, req: Request, meta: dict) -> str: ...

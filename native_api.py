@@ -82,6 +82,6 @@ def error(err: RequestError) -> dict:
             "param": err.param, "message": err.message}
 
 
-def error_tail(err: RequestError) -> str:
+def error_tail(err: RequestError, req: Request, meta: dict) -> str:
     """The end of a stream that fails after it began: a line with the error."""
     return json.dumps(error(err)) + "\n"

@@ -27,9 +27,7 @@ def parse(route: str, body, model_name: str, limits: Limits, defaults: Defaults,
     """matcher: compiles a constraint (constraint_fields.get_constraint)."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {api.type_name(body)}", None)
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise RequestError(f"The model `{model}` does not exist; this server serves `{model_name}`", "model", 404)
+    api.check_model(body, model_name)
     for name, allowed in (NEUTRAL if route == "chat" else NEUTRAL | COMPLETIONS_NEUTRAL).items():
         if name in body and body[name] not in allowed:
             raise RequestError(f"{name}={json.dumps(body[name])} is not supported (only {allowed[-1]!r})", name)
@@ -270,7 +268,7 @@ def error(err: RequestError) -> dict:
     return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.status}}
 
 
-def error_tail(err: RequestError) -> str:
+def error_tail(err: RequestError, req: Request, meta: dict) -> str:
     """The end of a stream that fails after it began: an error event, then [DONE]."""
     return sse(error(err)) + "data: [DONE]\n\n"
 

@@ -46,6 +46,7 @@ class Sequence:
     generator: torch.Generator | None
     tokens: list[int] = field(default_factory=list)
     stop_token: int | None = None  # the stop id that ended it (not in tokens)
+    stop_string: str | None = None  # the stop string that ended it (the text is cut before it)
     # with params.logprobs, one entry per sampled token (tokens, then stop_token): its
     # logprob, the most probable tokens [(id, logprob), ...] and where its text starts in text
     logprobs: list[float] = field(default_factory=list)
@@ -159,8 +160,9 @@ class Sequence:
             return
         start = max(0, len(self.text) - self.stop_ends.longest + 1)
         self.text += piece
-        cut = min((i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = min(((i, s) for s in self.params.stop if (i := self.text.find(s, start)) >= 0), default=None)
+        if found is not None:
+            cut, self.stop_string = found
             self.text = self.text[:cut]
             self.finish_reason = "stop"
 

@@ -10,16 +10,21 @@ import os
 import time
 
 import api
+import messages_api
 import native_api
 import openai_api
+import responses_api
 from api import Format, Job, Message, RequestError
 
 logger = logging.getLogger(__name__)
 
 # url_path (what follows /predictions/<model>/<version>/) -> API
 ROUTES = {"": "native", "v1/completions": "completions", "v1/chat/completions": "chat", "v1/models": "models",
+          "v1/responses": "responses", "v1/messages": "messages", "v1/messages/count_tokens": "count_tokens",
           "tokenizer_info": "tokenizer_info", "tokenize": "tokenize", "detokenize": "detokenize"}
-AT_ONCE = {"models", "tokenizer_info", "tokenize", "detokenize"}  # answered without decoding
+AT_ONCE = {"models", "tokenizer_info", "tokenize", "detokenize", "count_tokens"}  # answered without decoding
+FORMATS = {"native": native_api, "responses": responses_api, "messages": messages_api}  # by Request.api; else OpenAI's
+ID_PREFIXES = {"native": "cmpl-", "completions": "cmpl-", "chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
 JSON = "application/json"
 
 
@@ -35,11 +40,14 @@ class InFlight:
         answers it at once. One bad request costs itself alone: whatever it raises (a
         tokenizer's Rust panic is a BaseException) becomes its own error."""
         route = ROUTES.get(path)
-        fmt = openai_api if path.startswith("v1") or route in AT_ONCE else native_api
+        fmt = format_of(path)
         try:
+            if route is None and path.startswith("v1/responses/"):  # retrieve, cancel, delete
+                raise RequestError(f"no response /{path}: {responses_api.UNSTORED}", "url", status=404)
             if route is None:
                 raise RequestError(f"no route /{path}; the routes are /, /v1/completions, /v1/chat/completions, "
-                                   "/v1/models, /tokenizer_info, /tokenize and /detokenize", "url", status=404)
+                                   "/v1/responses, /v1/messages, /v1/messages/count_tokens, /v1/models, "
+                                   "/tokenizer_info, /tokenize and /detokenize", "url", status=404)
             if route in AT_ONCE:
                 return Message(json.dumps(self.answer_at_once(route, raw)), 200, JSON, "once")
             return self.new_job(req_id, route, raw)
@@ -59,6 +67,8 @@ class InFlight:
         body = api.read_body(request_body(raw), self.limits)
         if route == "tokenize":
             return openai_api.tokenize(body, self.tokenizer, self.max_seq_len, self.limits)
+        if route == "count_tokens":
+            return messages_api.count_tokens(body, self.tokenizer, self.model_name, self.limits)
         return openai_api.detokenize(body, self.tokenizer)
 
     def new_job(self, req_id: str, route: str, raw) -> tuple:
@@ -66,6 +76,8 @@ class InFlight:
         body = api.read_body(request_body(raw), self.limits)
         if route == "native":
             request = native_api.parse(body, self.limits, self.defaults, self.engine.matcher)
+        elif route in ("responses", "messages"):
+            request = FORMATS[route].parse(body, self.model_name, self.limits, self.defaults, self.engine.matcher)
         else:
             request = openai_api.parse(route, body, self.model_name, self.limits, self.defaults, self.engine.matcher)
         prompts = api.sequences(request, self.tokenizer, self.max_seq_len, self.limits, self.defaults)
@@ -74,8 +86,8 @@ class InFlight:
                 self.engine.check(tokens, params)
             except ValueError as e:
                 raise RequestError(str(e), "prompt") from None
-        meta = {"id": f"{'chatcmpl' if request.chat else 'cmpl'}-{req_id}", "created": int(time.time()),
-                "model": self.model_name}
+        meta = {"id": ID_PREFIXES[request.api] + req_id, "created": int(time.time()),
+                "model": self.model_name, "prompt_tokens": len(prompts[0][0])}
         return request, prompts, meta
 
     def admit(self, req_id: str, spec: tuple, http: bool):
@@ -129,11 +141,11 @@ class InFlight:
     def message(self, job: Job) -> Message | None:
         """The request's message for this iteration, or None."""
         req = job.request
-        fmt: Format = native_api if req.api == "native" else openai_api
+        fmt: Format = FORMATS.get(req.api, openai_api)
         if job.error is not None:
             if not job.started:
                 return error_message(fmt, job.error)
-            return Message(fmt.error_tail(job.error), 200, fmt.STREAM_TYPE, "last")
+            return Message(fmt.error_tail(job.error, req, job.meta), 200, fmt.STREAM_TYPE, "last")
         if not any(s.tokens or s.done for s in job.seqs):
             return None  # its prompts are waiting or being prefilled
         done = all(s.done for s in job.seqs)
@@ -155,6 +167,16 @@ class InFlight:
             return None
         job.started = True
         return Message("".join(pieces), 200, fmt.STREAM_TYPE, "last" if last else "chunk")
+
+
+def format_of(path: str) -> Format:
+    """The API whose shapes the answer and errors to a request on path take."""
+    if path.startswith("v1/messages"):
+        return messages_api
+    route = ROUTES.get(path)
+    if route in FORMATS:
+        return FORMATS[route]
+    return openai_api if path.startswith("v1") or route in AT_ONCE else native_api
 
 
 def request_body(raw):

@@ -1,7 +1,8 @@
 """Property-based fuzzing of request parsing and validation, in this process: whatever bytes
-or JSON value come in, api.read_body, native_api.parse, openai_api.parse and api.sequences
-(with the demo tokenizer) give either a valid request whose prompts fit the context and the
-limits, or an api.RequestError with a 4xx status; never any other exception."""
+or JSON value come in, api.read_body, native_api.parse, openai_api.parse, responses_api.parse,
+messages_api.parse (and count_tokens) and api.sequences (with the demo tokenizer) give either a
+valid request whose prompts fit the context and the limits, or an api.RequestError with a 4xx
+status; never any other exception."""
 
 import json
 
@@ -10,9 +11,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import api
-import native_api
 import chat_format
+import messages_api
+import native_api
 import openai_api
+import responses_api
 from api import Defaults, Limits, RequestError
 from conftest import TOKENIZER
 from tokenizer import Tokenizer
@@ -110,6 +113,62 @@ OPENAI = COMMON | {"model": mostly(st.just("llama"), st.one_of(text, json_values
 # OpenAI's completions also take token ids: a list of them, or a list of such lists
 completion_prompts = st.one_of(prompts, id_lists, st.lists(id_lists, min_size=1, max_size=5))
 
+# OpenAI's Responses API and Anthropic's Messages API: their items, blocks and tools
+SAMPLING = {name: COMMON[name] for name in api.SAMPLING_FIELDS if name in COMMON}
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+arguments = mostly(st.builds(lambda city: json.dumps({"city": city}), text), text)
+response_parts = st.lists(mostly(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text"]),
+                                                        "text": text})), max_size=3)
+response_items = st.one_of(
+    mostly(st.fixed_dictionaries({"role": mostly(st.sampled_from(["user", "developer", "assistant"]), roles),
+                                  "content": mostly(text, response_parts)})),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": mostly(st.just("call_1"), text),
+                           "name": mostly(st.just("get_weather"), text), "arguments": arguments}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": mostly(st.just("call_1"), text),
+                           "output": mostly(text, response_parts)}))
+responses_tools = mostly(st.just([{"type": "function", "name": "get_weather", "parameters": CITY, "strict": True}]),
+                         st.lists(st.dictionaries(st.sampled_from(["type", "name", "parameters", "strict"]),
+                                                  json_values), max_size=2))
+RESPONSES = SAMPLING | {
+    "model": mostly(st.just("llama"), st.one_of(text, json_values)), "max_output_tokens": counts,
+    "input": mostly(st.one_of(text, st.lists(response_items, min_size=1, max_size=5))),
+    "instructions": mostly(text), "tools": responses_tools,
+    "tool_choice": mostly(st.sampled_from(["auto", "none", "required", {"type": "function", "name": "get_weather"}])),
+    "text": mostly(st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                                    {"format": {"type": "json_schema", "name": "c", "schema": CITY}}])),
+    "store": mostly(st.just(False)), "include": mostly(st.just([])), "metadata": mostly(st.just({"a": "b"})),
+    "user": mostly(text), "parallel_tool_calls": flags}
+user_blocks = st.lists(mostly(st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": text}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": mostly(st.just("toolu_1"), text),
+                           "content": mostly(text, st.lists(st.fixed_dictionaries({"type": st.just("text"),
+                                                                                  "text": text}), max_size=2)),
+                           "is_error": flags}))), min_size=1, max_size=3)
+assistant_blocks = st.lists(mostly(st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": text}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": mostly(st.just("toolu_1"), text),
+                           "name": mostly(st.just("get_weather"), text),
+                           "input": mostly(st.builds(lambda city: {"city": city}, text))}))), min_size=1, max_size=3)
+anthropic_dialogs = mostly(st.builds(
+    lambda turns: [{"role": "user" if i % 2 == 0 else "assistant", "content": content}
+                   for i, content in enumerate(turns)],
+    st.lists(st.tuples(mostly(text, user_blocks), mostly(text, assistant_blocks)), min_size=1, max_size=3)
+    .flatmap(lambda pairs: st.just([c for pair in pairs for c in pair][:-1]))),
+    st.one_of(st.lists(message, max_size=4), json_values))
+MESSAGES = SAMPLING | {
+    "model": mostly(st.just("llama"), st.one_of(text, json_values)), "max_tokens": counts,
+    "messages": anthropic_dialogs, "system": mostly(text, st.lists(st.fixed_dictionaries(
+        {"type": st.just("text"), "text": text}), max_size=2)),
+    "stop_sequences": stops,
+    "tools": mostly(st.just([{"name": "get_weather", "input_schema": CITY}]),
+                    st.lists(st.dictionaries(st.sampled_from(["type", "name", "input_schema"]), json_values),
+                             max_size=2)),
+    "tool_choice": mostly(st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"},
+                                           {"type": "tool", "name": "get_weather"}])),
+    "output_config": mostly(st.just({"format": {"type": "json_schema", "schema": CITY}})),
+    "metadata": mostly(st.just({"user_id": "u"}))}
+MESSAGES.pop("stop")  # Anthropic's is stop_sequences
+
 
 def request_bodies(fields: dict, required: list[str]):
     """Objects with one of the required fields (mostly) and any of the others, plus unknown
@@ -132,6 +191,21 @@ completion_bodies = request_bodies(OPENAI | {"prompt": completion_prompts}, ["pr
 chat_bodies = request_bodies(OPENAI | {"messages": dialogs}, ["messages"])
 
 
+def with_required(bodies, required: dict):
+    """bodies, mostly with the required fields too (Anthropic's model and max_tokens)."""
+    return st.builds(lambda base, body: base | body if isinstance(body, dict) else body,
+                     st.one_of(st.fixed_dictionaries(required), st.fixed_dictionaries(required), st.just({})), bodies)
+
+
+responses_bodies = request_bodies(RESPONSES, ["input"])
+messages_bodies = with_required(request_bodies(MESSAGES, ["messages"]),
+                                {"model": st.just("llama"), "max_tokens": st.integers(1, 40)})
+count_bodies = with_required(request_bodies({k: v for k, v in MESSAGES.items() if k in messages_api.COUNT_FIELDS},
+                                            ["messages"]), {"model": st.just("llama")})
+BODIES = {"native": native_bodies, "completions": completion_bodies, "chat": chat_bodies,
+          "responses": responses_bodies, "messages": messages_bodies, "count_tokens": count_bodies}
+
+
 def serialized(draw_body):
     """Bytes of a body: JSON (with NaN and surrogate escapes where the value has them), maybe
     cut, with a byte spliced in, or wrapped."""
@@ -151,7 +225,7 @@ def refused(e: RequestError):
     assert isinstance(e, RequestError)
     assert 400 <= e.status < 500, (e.status, e.message)
     assert isinstance(e.message, str) and e.message and (e.param is None or isinstance(e.param, str))
-    for fmt in (native_api, openai_api):
+    for fmt in (native_api, openai_api, responses_api, messages_api):
         json.dumps(fmt.error(e)).encode("utf-8")
 
 
@@ -166,7 +240,7 @@ def accepted(req: api.Request, prepared, tokenizer, limits: Limits, max_seq_len:
         item = req.inputs[k // req.n]
         if req.chat:
             assert chat_format.validate_llama2(item) and len(item) <= limits.max_messages
-            assert tokens == chat_format.encode_dialog(tokenizer, item)
+            assert tokens == chat_format.encode_dialog(tokenizer, item, req.tools or None)
         elif isinstance(item, list):
             assert tokens == item and all(0 <= t < tokenizer.n_words for t in tokens)
         else:
@@ -193,13 +267,22 @@ def accepted(req: api.Request, prepared, tokenizer, limits: Limits, max_seq_len:
         assert not (req.chat and params.echo)
 
 
+def parse(route: str, body, limits: Limits) -> api.Request:
+    if route == "native":
+        return native_api.parse(body, limits, DEFAULTS)
+    if route in ("responses", "messages"):
+        return {"responses": responses_api, "messages": messages_api}[route].parse(body, "llama", limits, DEFAULTS)
+    return openai_api.parse(route, body, "llama", limits, DEFAULTS)
+
+
 def run(route: str, body, tokenizer, limits: Limits, max_seq_len: int):
     """The handler's path from a JSON value to prompts; checks whichever way it ends."""
     try:
-        if route == "native":
-            req = native_api.parse(body, limits, DEFAULTS)
-        else:
-            req = openai_api.parse(route, body, "llama", limits, DEFAULTS)
+        if route == "count_tokens":
+            counted = messages_api.count_tokens(body, tokenizer, "llama", limits)
+            assert set(counted) == {"input_tokens"} and counted["input_tokens"] >= 1
+            return counted
+        req = parse(route, body, limits)
         prepared = api.sequences(req, tokenizer, max_seq_len, limits, DEFAULTS)
     except RequestError as e:
         refused(e)
@@ -263,6 +346,48 @@ def test_native_requests(tokenizer, body, context):
 def test_openai_requests(tokenizer, route, data, context):
     body = data.draw(completion_bodies if route == "completions" else chat_bodies)
     run(route, body, tokenizer, *context)
+
+
+@FUZZ
+@given(route=st.sampled_from(["responses", "messages", "count_tokens"]), data=st.data(),
+       context=st.sampled_from(CONTEXTS))
+@example(route="responses", data=None, context=CONTEXTS[0])
+def test_responses_and_messages_requests(tokenizer, route, data, context):
+    """Whatever body /v1/responses, /v1/messages and /v1/messages/count_tokens get, from its
+    bytes on: a request the engine takes, a token count, or a 4xx in each API's shape."""
+    raw = data.draw(serialized(BODIES[route])) if data else b'{"input": [{"type": "function_call"}]}'
+    try:
+        body = api.read_body(raw, context[0])
+    except RequestError as e:
+        refused(e)
+        return
+    run(route, body, tokenizer, *context)
+
+
+def test_fuzzing_the_new_apis_reaches_both_outcomes(tokenizer):
+    """The new routes' strategies produce accepted requests and refusals of many kinds."""
+    outcomes = {"responses": set(), "messages": set(), "count_tokens": set()}
+
+    @settings(max_examples=600, deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(route=st.sampled_from(sorted(outcomes)), data=st.data())
+    def collect(route, data):
+        body = data.draw(BODIES[route])
+        if run(route, body, tokenizer, *CONTEXTS[0]) is not None:
+            outcomes[route].add("accepted")
+            return
+        try:
+            if route == "count_tokens":
+                messages_api.count_tokens(body, tokenizer, "llama", CONTEXTS[0][0])
+            parse(route, body, CONTEXTS[0][0])
+            outcomes[route].add("refused: context")
+        except RequestError as e:
+            outcomes[route].add(f"refused: {e.param}")
+
+    collect()
+    for route, seen in outcomes.items():
+        assert "accepted" in seen, (route, seen)
+        assert len(seen) >= 6, (route, seen)
 
 
 tokenize_bodies = request_bodies({"prompt": prompts, "messages": dialogs, "add_special_tokens": flags},

@@ -51,16 +51,18 @@ def test_a_cycle_is_found():
     assert imports(os.path.join(ROOT, "generate.py")) >= {"engine"}  # its seed functions run the engine
 
 
-def test_both_apis_implement_the_answer_format():
-    """The handler asks the native API (native_api) and the OpenAI one (openai_api) the
-    same things (api.Format), with the same parameters."""
+def test_every_api_implements_the_answer_format():
+    """The handler asks the native API (native_api), OpenAI's (openai_api, responses_api) and
+    Anthropic's (messages_api) the same things (api.Format), with the same parameters."""
     import inspect
 
     import api
+    import messages_api
     import native_api
     import openai_api
+    import responses_api
 
-    for module in (native_api, openai_api):
+    for module in (native_api, openai_api, responses_api, messages_api):
         assert isinstance(module, api.Format), module.__name__
         for name in ("answer", "chunk", "last_chunks", "error", "error_tail"):
             wanted = list(inspect.signature(getattr(api.Format, name)).parameters)[1:]  # less self
