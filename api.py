@@ -276,6 +276,13 @@ def get_dialog(body: dict, name: str, limits: Limits) -> list:
     return dialog
 
 
+def kind_of(value, default: str | None = None) -> str | None:
+    """The "type" of a typed object (an input item, a content block, a tool choice): a string,
+    or None for anything else (a list there must be refused, not looked up)."""
+    kind = value.get("type", default) if isinstance(value, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
 def type_name(value) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
             type(None): "null"}.get(type(value), type(value).__name__)

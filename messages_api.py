@@ -84,7 +84,7 @@ def dialog(body: dict, limits: Limits) -> list:
         texts, calls, results = [], [], []
         for j, block in enumerate(content):
             here = f"{where}.content[{j}]"
-            kind = block.get("type") if isinstance(block, dict) else None
+            kind = api.kind_of(block)
             if kind not in BLOCKS[role]:
                 raise RequestError(f"{here} must be a {' or '.join(sorted(BLOCKS[role]))} block in a {role} message"
                                    + (f", got type {json.dumps(kind)}" if kind else ""), "messages")
@@ -165,7 +165,7 @@ def client_tools(req: Request, body: dict, matcher):
     choice = body.get("tool_choice")
     chat_body = {"tools": chat_tools, "tool_choice": None}
     if choice is not None:
-        kind = choice.get("type") if isinstance(choice, dict) else None
+        kind = api.kind_of(choice)
         keys = {"type", "disable_parallel_tool_use"} | ({"name"} if kind == "tool" else set())
         if (kind not in TOOL_CHOICES and kind != "tool") or set(choice) - keys or (kind == "tool") != ("name" in choice):
             raise RequestError('tool_choice must be {"type": "auto"}, {"type": "any"}, {"type": "none"} or '

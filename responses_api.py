@@ -87,7 +87,7 @@ def dialog(body: dict, limits: Limits) -> list:
     messages = [{"role": "system", "content": instructions}] if instructions is not None else []
     for i, item in enumerate(items):
         where = f"input[{i}]"
-        kind = item.get("type", "message") if isinstance(item, dict) else None
+        kind = api.kind_of(item, "message")
         if kind not in ITEM_KEYS:
             raise RequestError(f"{where} must be a message, function_call or function_call_output item"
                                + (f", got type {json.dumps(kind)}" if kind else ""), "input")
@@ -96,7 +96,7 @@ def dialog(body: dict, limits: Limits) -> list:
             raise RequestError(f"{where} has the key {unknown[0]!r}; {kind} items have "
                                f"{', '.join(sorted(ITEM_KEYS[kind]))}", "input")
         if kind == "message":
-            if item.get("role") not in ROLES:
+            if not isinstance(item.get("role"), str) or item["role"] not in ROLES:
                 raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}", "input")
             messages.append({"role": ROLES[item["role"]], "content": text_of(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
@@ -116,7 +116,7 @@ def text_of(content, where: str) -> str:
     """A string, or a list of text parts (input_text, output_text, refusal), as one string."""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list) or not all(isinstance(p, dict) and isinstance(p.get(TEXT_PARTS.get(p.get("type"))), str)
+    if not isinstance(content, list) or not all(isinstance(p, dict) and isinstance(p.get(TEXT_PARTS.get(api.kind_of(p))), str)
                                                 for p in content):
         raise RequestError(f"{where} must be a string or a list of text parts ({', '.join(TEXT_PARTS)}); "
                            "other parts are not supported", "input")

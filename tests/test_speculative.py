@@ -1,4 +1,4 @@
-"""Speculative decoding (speculative.py, sampler.sample with drafts, the engine's
+"""Speculative decoding (speculative.py, the engine's
 verification): greedy tokens exactly as without it, at TP 1 and 2, with prefix caching and
 chunked prefill; sampled tokens distributed as without it (a chi-square test that the
 residual resampling is what keeps them so); prompt lookup; the settings."""
