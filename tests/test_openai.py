@@ -87,7 +87,7 @@ def test_options_stop_seed_logprobs(server, client, demo_llama):
     assert lp.token_logprobs[0] is None and lp.token_logprobs[1:] == pytest.approx(local[1:], abs=1e-3)
     # vLLM's test: usage counts every token of the logprobs, the stop ids that ended choices included
     sampled = client.completions.create(model="llama", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=13,
-                                        n=3, logprobs=0)
+                                        n=3, logprobs=0, logit_bias={str(demo_llama.tokenizer.eos_id): 4})
     assert any(c.finish_reason == "stop" for c in sampled.choices)  # a stop id ended one (no stop strings)
     assert sampled.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in sampled.choices)
     chat = client.chat.completions.create(model="llama", messages=MESSAGES, max_tokens=5, temperature=0,

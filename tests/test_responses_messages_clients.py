@@ -121,7 +121,7 @@ def test_agents_sdk_runs_an_agent_with_a_tool(server):
     model = OpenAIResponsesModel("llama", openai.AsyncOpenAI(base_url=f"{server.url}/predictions/llama/1.0/v1",
                                                              api_key=server.key, max_retries=0))
     agent = Agent(name="forecaster", instructions="Answer with the weather.", tools=[get_weather], model=model,
-                  model_settings=ModelSettings(tool_choice="required", temperature=1.0, max_tokens=60,
+                  model_settings=ModelSettings(tool_choice="required", temperature=0.6, max_tokens=120,
                                                extra_body={"seed": 2}))
     result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
     assert len(asked) == 1 and isinstance(result.final_output, str) and result.final_output

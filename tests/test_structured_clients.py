@@ -1,7 +1,7 @@
 """Structured outputs and tool calls through the clients applications use, the official
 openai client and LangChain's ChatOpenAI, against TorchServe at TP=2: on the demo model
-(sentencepiece, Llama 2's chat format) and on a Llama 3 fixture (a BPE of Meta's form, its
-Hugging Face chat template). Answers sampled at temperature 1 with several seeds validate
+(sentencepiece, Llama 2's chat format) and on a Llama 3 fixture (a BPE of Meta's form, with
+Llama 3.1's Hugging Face chat template, which lays out tools). Answers sampled at temperature 1 with several seeds validate
 with the jsonschema package; regexes and choices match; a forced tool call's arguments
 validate against the tool's parameters, streamed deltas add up to the same call, and a tool
 loop's result goes back as a `tool` message."""
@@ -20,6 +20,7 @@ from typing_extensions import Annotated
 from conftest import DEMO, SERVER_SLOTS
 from local_server import start_server
 from test_structured import CHOICES, REGEXES, SCHEMAS
+from test_tools import LLAMA31_TEMPLATE
 
 pytestmark = pytest.mark.slow  # TorchServe
 SEEDS = (0, 1, 2)
@@ -38,13 +39,15 @@ TIME = {"type": "function", "function": {
 def srv(request, tmp_path_factory):
     """Contexts longer than the shared server's: the demo's tokenizer of 4,096 tokens spells
     the tools' prompt in about 950 tokens, the Llama 3 fixture's in about 600 (a copy of it
-    whose config.json allows 1,024 positions, not 512)."""
+    whose config.json allows 1,024 positions, not 512, and whose template is Llama 3.1's)."""
     workdir = tmp_path_factory.mktemp(request.param)
     folder = DEMO
     if request.param == "llama3":
         folder = shutil.copytree(request.getfixturevalue("llama3")["meta_untied"][1]["hf"], workdir / "weights")
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 1024}))
+        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"chat_template": LLAMA31_TEMPLATE}))
     srv = start_server(workdir / "server", str(folder), tp=2, batch_size=SERVER_SLOTS,
                        handler={"max_seq_len": 2048 if request.param == "demo" else 1024})
     yield srv
