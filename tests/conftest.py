@@ -41,7 +41,7 @@ torch.set_num_threads(1)
 # A test is slow when it starts TorchServe or torchrun ranks, through one of these fixtures
 # (marked here) or by itself (marked in its module; a guard fails a quick test that does), or
 # compiles (torch.compile: marked in its module).
-TORCHSERVE_FIXTURES = {"server", "llama3_server", "own_server", "limited", "configured"}
+TORCHSERVE_FIXTURES = {"server", "llama3_server", "own_server", "limited", "configured", "smollm2_server"}
 
 
 def pytest_configure(config):

@@ -2,8 +2,7 @@
 metadata, its weights dequantized as each rank loads its shard. The files are written here
 with gguf.GGUFWriter as llama.cpp's converter writes them (tools/make_checkpoint.py), from the
 random weights the other tests use, and load with the logits of the same weights from
-safetensors, at TP 1 and 2; SmolLM2-135M-Instruct's Q4_1 file (`make smollm2`) loads with the
-logits of transformers' own GGUF loader. What the model does not implement is refused by
+safetensors, at TP 1 and 2 (SmolLM2's real file: test_smollm2.py). What the model does not implement is refused by
 name, by `make serve`'s check (tools/configure.py, one line) and by the loader."""
 
 import os
@@ -127,32 +126,6 @@ def test_logits_equal_safetensors_tp2(files, tmp_path):
         for name, (model, folder, path) in files.items():
             assert torch.equal(result[path], result[folder]), (rank, name)
             assert (result[path] - reference(model)).abs().max().item() <= TOL, (rank, name)
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    """(our runner at TP=1, transformers' LlamaForCausalLM from its GGUF loader in fp32) for
-    the real file, each loaded once."""
-    from transformers import LlamaForCausalLM
-
-    assert os.path.isfile(SMOLLM2), f"{SMOLLM2} is missing: make smollm2"
-    ours = llama2.tp_llama(None, SMOLLM2, TOKENIZER, 1, max_batch_size=1, max_seq_len=64).runner
-    theirs = LlamaForCausalLM.from_pretrained(os.path.dirname(SMOLLM2), gguf_file=os.path.basename(SMOLLM2),
-                                              dtype=torch.float32).eval()
-    return ours, theirs
-
-
-def test_smollm2_logits_equal_transformers(smollm2):
-    """Prompts of token ids (the tokenizer is gguf's own, not read here): <|im_start|> then
-    random ids, up to 48 tokens; the largest difference at most 1e-4 of the logits' spread."""
-    ours, theirs = smollm2
-    for seed, length in enumerate((5, 17, 48)):
-        ids = torch.randint(3, ours.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
-        tokens = torch.cat([torch.tensor([[1]]), ids], dim=1)
-        with torch.no_grad():
-            want = theirs(tokens).logits
-        got = ours(tokens, 0)
-        assert (got - want).abs().max().item() <= 1e-4 * (want.max() - want.min()).item(), length
 
 
 # --- refused by name, before TorchServe starts and when loading ------------------------------
