@@ -58,7 +58,7 @@ class Request:
     max_new_tokens: int | None = None  # None: the default, cut to what the context leaves
     sampling: dict = field(default_factory=dict)  # SamplingParams fields but max_gen_len
     include_usage: bool = False  # OpenAI stream_options.include_usage
-    tools: list = field(default_factory=list)  # chat: the function tools the model may call (tools.py)
+    tools: list = field(default_factory=list)  # chat: the function tools the model may call (tool_calls.py)
     tool_streams: dict = field(default_factory=dict)  # a streamed chat with tools: each choice's ToolCallStream
     state: dict = field(default_factory=dict)  # an API's own: fields its answer repeats, its stream's progress
 

@@ -25,7 +25,7 @@ import secrets
 import jinja2
 
 from chat_template import TemplateLimit, compile_template
-from tools import call_arguments, check_tool_calls, check_tools
+from tool_calls import call_arguments, check_tool_calls, check_tools
 
 B_INST, E_INST = "[INST]", "[/INST]"
 B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"

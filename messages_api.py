@@ -10,7 +10,7 @@ import api
 import chat_format
 import constraint_fields
 import openai_api
-import tools
+import tool_calls
 from api import Defaults, Limits, Request, RequestError
 from sequence import Sequence
 from structured import Constraint
@@ -89,7 +89,7 @@ def dialog(body: dict, limits: Limits) -> list:
                 raise RequestError(f"{here} must be a {' or '.join(sorted(BLOCKS[role]))} block in a {role} message"
                                    + (f", got type {json.dumps(kind)}" if kind else ""), "messages")
             try:
-                tools.check_keys(block, here, *BLOCK_KEYS[kind])
+                tool_calls.check_keys(block, here, *BLOCK_KEYS[kind])
             except ValueError as e:
                 raise RequestError(str(e), "messages") from None
             if kind == "text":
@@ -154,7 +154,7 @@ def client_tools(req: Request, body: dict, matcher):
             raise RequestError(f'tools[{i}] must be a client tool ({{"name", "input_schema", "description"}}); '
                                "server tools are not supported", "tools")
         try:
-            tools.check_keys(tool, f"tools[{i}]", {"name", "input_schema"},
+            tool_calls.check_keys(tool, f"tools[{i}]", {"name", "input_schema"},
                              {"type", "description", "cache_control", "strict"})
         except ValueError as e:
             raise RequestError(str(e), "tools") from None
@@ -198,13 +198,13 @@ def count_tokens(body, tokenizer, model_name: str, limits: Limits) -> dict:
 
 class Content:
     """A message's content blocks as its text arrives (text, and tool_use blocks:
-    tools.ToolCallStream tells calls from text), and the stream events that tell of them."""
+    tool_calls.ToolCallStream tells calls from text), and the stream events that tell of them."""
 
     def __init__(self, req: Request):
         self.blocks: list[dict] = []
         self.open = False  # the last block is still being written
         self.arguments = ""  # the JSON text of the tool_use block being written
-        self.calls = tools.ToolCallStream(req.tools) if req.tools else None
+        self.calls = tool_calls.ToolCallStream(req.tools) if req.tools else None
 
     def add(self, text: str) -> list[dict]:
         return self.follow(self.calls.add(text) if self.calls else [{"content": text}] if text else [])
@@ -248,7 +248,7 @@ class Content:
         self.open = False
         block = self.blocks[-1]
         if block["type"] == "tool_use":
-            arguments = tools.json_object(self.arguments)
+            arguments = tool_calls.json_object(self.arguments)
             block["input"] = arguments if isinstance(arguments, dict) else {}
         return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
 

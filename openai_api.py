@@ -9,7 +9,7 @@ import json
 import api
 import chat_format
 import constraint_fields
-import tools
+import tool_calls
 from api import MAX_TOP_LOGPROBS, Defaults, Limits, Request, RequestError
 from sequence import Sequence
 from structured import Constraint
@@ -68,17 +68,17 @@ def tool_call_constraint(req: Request, body: dict, matcher):
     """req's tools, and the constraint of a forced call (tool_choice required or a named
     function): the answer is one call whose arguments match the function's parameters."""
     try:
-        req.tools = tools.check_tools(body.get("tools"))
+        req.tools = tool_calls.check_tools(body.get("tools"))
     except ValueError as e:
         raise RequestError(str(e), "tools") from None
     try:
-        choice = tools.check_tool_choice(body.get("tool_choice"), req.tools)
+        choice = tool_calls.check_tool_choice(body.get("tool_choice"), req.tools)
     except ValueError as e:
         raise RequestError(str(e), "tool_choice") from None
     api.get_bool(body, "parallel_tool_calls", True)  # checked; a forced answer is one call either way
     if choice == "none":
         req.tools = []  # neither shown to the model nor read in its answer
-    schema = tools.call_schema(req.tools, choice)
+    schema = tool_calls.call_schema(req.tools, choice)
     if schema is None:
         return
     if req.sampling["constraint"] is not None:
@@ -184,7 +184,7 @@ def answer(req: Request, seqs: list[Sequence], tokenizer, meta: dict) -> dict:
         if req.chat:
             choice["message"] = {"role": "assistant", "content": seq.text}
             if req.tools:
-                content, calls = tools.parse_tool_calls(seq.text, req.tools)
+                content, calls = tool_calls.parse_tool_calls(seq.text, req.tools)
                 if calls:
                     choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
                     choice["finish_reason"] = tool_calls_finish(seq)
@@ -225,10 +225,10 @@ def chunk(req: Request, meta: dict, index: int, text: str, first: bool, finish_r
 STREAM_TYPE = "text/event-stream"
 
 
-def tool_stream(req: Request, index: int) -> tools.ToolCallStream:
+def tool_stream(req: Request, index: int) -> tool_calls.ToolCallStream:
     """Choice index's ToolCallStream, made at its first piece."""
     if index not in req.tool_streams:
-        req.tool_streams[index] = tools.ToolCallStream(req.tools)
+        req.tool_streams[index] = tool_calls.ToolCallStream(req.tools)
     return req.tool_streams[index]
 
 

@@ -11,7 +11,7 @@ import secrets
 import api
 import constraint_fields
 import openai_api
-import tools
+import tool_calls
 from api import Defaults, Limits, Request, RequestError
 from sequence import Sequence
 from structured import Constraint
@@ -157,7 +157,7 @@ def function_tools(req: Request, body: dict, matcher):
             raise RequestError(f"tools[{i}] must be a function tool ({{\"type\": \"function\", \"name\": ...}}); "
                                "other tools are not supported", "tools")
         try:
-            tools.check_keys(tool, f"tools[{i}]", {"type", "name"}, {"description", "parameters", "strict"})
+            tool_calls.check_keys(tool, f"tools[{i}]", {"type", "name"}, {"description", "parameters", "strict"})
         except ValueError as e:
             raise RequestError(str(e), "tools") from None
         chat_tools.append({"type": "function", "function": {k: v for k, v in tool.items()
@@ -182,7 +182,7 @@ def function_tools(req: Request, body: dict, matcher):
 
 class Output:
     """A response's output items as its text arrives (message items with output_text,
-    function_call items, in the order the text gives them: tools.ToolCallStream tells calls
+    function_call items, in the order the text gives them: tool_calls.ToolCallStream tells calls
     from text), and the typed events that tell of them, numbered."""
 
     def __init__(self, req: Request, meta: dict):
@@ -190,7 +190,7 @@ class Output:
         self.number = 0  # the next event's sequence_number
         self.items: list[dict] = []
         self.open = False  # the last item is still being written
-        self.calls = tools.ToolCallStream(req.tools) if req.tools else None
+        self.calls = tool_calls.ToolCallStream(req.tools) if req.tools else None
 
     def event(self, kind: str, **fields) -> dict:
         self.number += 1

@@ -1,4 +1,4 @@
-"""Tool calling (tools.py, and the tool turns of chat_format.py), in this process:
+"""Tool calling (tool_calls.py, and the tool turns of chat_format.py), in this process:
 
 1. rendering: a template that reads `tools` renders a dialog's tools and tool turns exactly
    as transformers' apply_chat_template(messages, tools=...) does (a template modelled on
@@ -23,7 +23,7 @@ from structured import Constraint
 from test_chat_safety import with_template
 from test_structured import generate
 from tokenizer import Tokenizer
-from tools import ToolCallStream, call_schema, check_tool_choice, check_tools, parse_tool_calls
+from tool_calls import ToolCallStream, call_schema, check_tool_choice, check_tools, parse_tool_calls
 
 # Modelled on Meta's Llama 3.1 Instruct template (meta-llama/Llama-3.1-8B-Instruct's
 # tokenizer_config.json), in its default layout: with tools, "Environment: ipython" in the
