@@ -67,3 +67,9 @@ def test_every_api_implements_the_answer_format():
         for name in ("answer", "chunk", "last_chunks", "error", "error_tail"):
             wanted = list(inspect.signature(getattr(api.Format, name)).parameters)[1:]  # less self
             assert list(inspect.signature(getattr(module, name)).parameters)[:len(wanted)] == wanted, name
+
+
+def test_no_module_shares_a_name_with_a_folder():
+    """`import tools` must never depend on whether tools/ has an __init__.py, or on sys.path's order."""
+    folders = {name for name in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, name))}
+    assert not set(MODULES) & folders, sorted(set(MODULES) & folders)
