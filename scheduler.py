@@ -54,9 +54,10 @@ class Scheduler:
         return w.n == 1 and self.uncached(w.seq) == 1
 
     def schedule(self) -> list[Work]:
-        """This step's work: one token for each decoding sequence (and blocks for the
-        draft_room tokens it may verify, speculative.py), then prefill chunks of the sequences
-        already running, then of new ones, while the budget lasts."""
+        """This step's work: one token for each decoding sequence, then prefill chunks of the
+        sequences already running, then of new ones, while the budget lasts; then room for
+        the proposed tokens that decoding sequences may verify (speculative.py), from what
+        is left."""
         budget = self.max_batched_tokens
         work = []
         for decoding in (True, False):
@@ -65,8 +66,7 @@ class Scheduler:
                     continue
                 if seq.ahead and seq.ending:  # its last token is on its way: nothing to compute
                     continue
-                n = min(self.uncached(seq) + (seq.draft_room if decoding else 0), budget)
-                seq.draft_room = max(0, n - self.uncached(seq))  # what the budget leaves for proposed tokens
+                n = min(self.uncached(seq), budget)
                 if self.make_room(seq, seq.cached + n):
                     work.append(Work(seq, n))
                     budget -= n
@@ -79,10 +79,23 @@ class Scheduler:
             work.append(Work(seq, n))
             budget -= n
         work = [w for w in work if w.seq in self.running]  # not those preempted after their turn
+        self.room_for_drafts(work, budget)
         work.sort(key=lambda w: not self.is_decode(w))  # stable: oldest first within each kind
         for w in work:
             self.digest.update(repr((w.seq.id, w.seq.cached, w.n, w.seq.table.blocks)).encode())
         return work
+
+    def room_for_drafts(self, work: list[Work], budget):
+        """Each decoding sequence's proposed tokens (as many of its draft_room as fit), after
+        everything else: from the budget and the blocks that this step leaves free, so that
+        tokens that may be rejected never preempt a sequence nor keep one waiting."""
+        for w in work:
+            room = min(w.seq.draft_room, budget) if self.is_decode(w) else 0
+            free = (len(w.seq.table.blocks) + self.pool.num_free) * self.pool.block_size - (w.seq.cached + w.n)
+            w.seq.draft_room = max(0, min(room, free))
+            w.seq.table.grow(w.seq.cached + w.n + w.seq.draft_room)
+            w.n += w.seq.draft_room
+            budget -= w.seq.draft_room
 
     def make_room(self, seq, n_tokens: int) -> bool:
         """Blocks for seq's first n_tokens, preempting the newest other sequences if need be;

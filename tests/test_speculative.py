@@ -125,6 +125,29 @@ def test_a_seeded_answer_does_not_depend_on_load_or_speculation(llama):
     assert alone == plain_tokens == among
 
 
+def test_proposed_tokens_never_preempt_a_sequence():
+    """A full pool of 4 blocks of 16: a decoding sequence at position 14 with room for 4
+    proposed tokens gets room for 1, the last free slot of its own block; the newest
+    sequence, whose 3 blocks fill the pool, is not preempted (blocks for proposals, which
+    may be rejected, used to be taken from it)."""
+    from kv_cache import BlockPool
+    from scheduler import Scheduler
+    from sequence import Sequence
+
+    sched = Scheduler(BlockPool(4, 16), max_seqs=2)
+    a = Sequence(list(range(14)), SamplingParams(max_gen_len=8), 0, None)
+    b = Sequence(list(range(47)), SamplingParams(max_gen_len=8), 1, None)
+    for seq in (a, b):
+        sched.add(seq)
+    sched.schedule()  # both prompts: 1 + 3 blocks, the whole pool
+    for seq in (a, b):
+        seq.cached = len(seq.prompt_tokens)
+        seq.tokens.append(7)
+    a.draft_room = 4
+    work = sched.schedule()
+    assert sched.preemptions == 0 and {w.seq.id: w.n for w in work} == {0: 2, 1: 1} and a.draft_room == 1
+
+
 # --- sampling: the same distribution ---------------------------------------------------------
 
 SAMPLES = 1536
