@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "block_quant.cpp")
-CFLAGS = ["-O3", "-march=native"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: at::parallel_for is inline, OpenMP pragmas (torch's libgomp at run time)
 BLOCK = 32  # weights per block (and its scale)
 # Rows of x up to which forward() runs the kernels; above, dequantizing to bf16 and F.linear
 # (oneDNN, AMX) is faster. bench/block_quant.py, 1 thread, median µs, q4 kernel / dequantize + F.linear:

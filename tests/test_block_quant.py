@@ -3,6 +3,8 @@ product with the dequantized weights, GGUF's numbers kept exactly (gguf.quants a
 column shards, fused rows, bf16 inputs, torch.compile, and the refusal without a compiler."""
 
 import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -210,3 +212,54 @@ def test_a_missing_compiler_is_named(monkeypatch):
     monkeypatch.setattr(torch.utils.cpp_extension, "is_ninja_available", lambda: False)
     with pytest.raises(ValueError, match="ninja"):
         block_quant.load()
+
+
+# --- building: other instruction sets, several processes at once (each compiles: slow) -----
+
+CHECK_BUILD = """
+import sys, torch
+import block_quant
+block_quant.CFLAGS += sys.argv[1:]
+block_quant.load()
+torch.manual_seed(0)
+for bits in (4, 8):
+    layer = block_quant.BlockLinear.from_weight(torch.randn(37, 576), bits)
+    blocks = layer.qweight.view(37, 18, -1)
+    q = torch.cat([blocks & 15, blocks >> 4], -1) if bits == 4 else blocks  # the layout, in torch
+    w = q.float() * layer.scales.float()[..., None] + (0 if bits == 8 else layer.offsets.float()[..., None])
+    assert torch.equal(layer.dequantize(), w.view(37, 576)), bits
+    assert torch.equal(layer.dequantize(torch.bfloat16), w.view(37, 576).bfloat16()), bits
+    x = torch.randn(5, 576)
+    out = layer(x).double()
+    ref = x.double() @ w.view(37, 576).double().T
+    assert ((out - ref).abs() / (x.double().abs() @ w.view(37, 576).double().abs().T)).max() < 1e-6, bits
+print("computed")
+"""
+
+
+def run_check_build(env: dict, *cflags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHECK_BUILD, *cflags], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cflags", [["-mno-avx512f"], ["-mno-avx"]], ids=["avx2", "plain"])
+def test_avx2_and_plain_cpp_paths(cflags):
+    """The kernels built without AVX-512 (the AVX2 path) and without AVX (plain C++) compute the
+    same weights, read back in torch from the documented layout."""
+    run = run_check_build(dict(os.environ), *cflags)
+    output, _ = run.communicate(timeout=600)
+    assert run.returncode == 0 and "computed" in output, output[-3000:]
+
+
+@pytest.mark.slow
+def test_ranks_building_at_once(tmp_path):
+    """Two processes (tensor-parallel ranks) loading the kernels at once, with nothing built yet:
+    one builds under torch's lock file while the other waits, and both compute."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    runs = [run_check_build(env) for _ in range(2)]
+    outputs = [run.communicate(timeout=600)[0] for run in runs]
+    for run, output in zip(runs, outputs):
+        assert run.returncode == 0 and "computed" in output, output[-3000:]
+    [log] = tmp_path.glob("block_quant_*/.ninja_log")
+    assert log.read_text().count("block_quant.o") == 1  # compiled once
