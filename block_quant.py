@@ -61,11 +61,21 @@ def load():
             raise ValueError("the block-quantized layers' CPU kernels (block_quant.cpp) are built on first use "
                              "and need ninja: pip install ninja==1.13.2 (requirements.txt)")
         with open(SOURCE, "rb") as f:
-            # a name per source: builds of different versions (other checkouts) never overwrite each other
-            digest = hashlib.sha256(f.read() + repr(CFLAGS).encode()).hexdigest()[:12]
+            # a name per source and CPU (-march=native): builds of other versions (other checkouts),
+            # or from another machine sharing the cache, never overwrite nor stand in for this one
+            digest = hashlib.sha256(f.read() + repr(CFLAGS).encode() + cpu_flags()).hexdigest()[:12]
         build(name=f"block_quant_{digest}", sources=[SOURCE], extra_cflags=CFLAGS, is_python_module=False)
         register_fakes()
         _loaded = True
+
+
+def cpu_flags() -> bytes:
+    """The instruction sets /proc/cpuinfo lists (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        return b""
 
 
 def register_fakes():
@@ -92,12 +102,15 @@ class BlockLinear(nn.Module):
         super().__init__()
         if bits not in (4, 8) or (offsets is None) != (bits == 8):
             raise ValueError(f"BlockLinear takes bits=4 with offsets or bits=8 without, got bits={bits}")
+        packed = torch.uint8 if bits == 4 else torch.int8
+        if qweight.dtype != packed or any(t.dtype != torch.float16 for t in (scales, offsets) if t is not None):
+            raise ValueError(f"BlockLinear bits={bits} takes {packed} weights and float16 scales")
         load()
         self.bits = bits
         self.out_features, self.in_features = scales.shape[0], scales.shape[1] * BLOCK
         self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scales", scales.to(torch.float16).contiguous())
-        self.register_buffer("offsets", None if offsets is None else offsets.to(torch.float16).contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("offsets", None if offsets is None else offsets.contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -131,7 +144,7 @@ class BlockLinear(nn.Module):
         out_features, in_features = w.shape
         if in_features % BLOCK:
             raise ValueError(f"block quantization needs in_features divisible by {BLOCK}, got {in_features}")
-        blocks = w.detach().float().reshape(out_features, in_features // BLOCK, BLOCK)
+        blocks = w.detach().to("cpu", torch.float32).reshape(out_features, in_features // BLOCK, BLOCK)
         lo, hi = blocks.aminmax(dim=-1)
         if bits == 4:
             scales, offsets = ((hi - lo) / 15).half(), lo.half()

@@ -164,6 +164,7 @@ def test_forward_shapes_dtypes_and_the_bf16_path(bits, monkeypatch):
         assert out.dtype == x.dtype
         assert torch.equal(out, F.linear(x.bfloat16(), w.bfloat16()).to(x.dtype))
     assert torch.equal(layer.dequantize(torch.bfloat16), w.bfloat16())
+    assert layer(torch.randn(0, 256)).shape == (0, 40)  # an empty batch
 
 
 def test_fake_implementations():
