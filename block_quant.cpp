@@ -33,8 +33,8 @@ namespace {
 
 constexpr int64_t BLOCK = 32;  // weights per block, as in GGUF's Q4_0, Q4_1 and Q8_0
 
-// One block of 32 fp32 values in registers: of x, of a dequantized weight block, or of an
-// accumulator (32 partial sums, which keep the FMA chains independent; reduced once per output).
+// One block of 32 fp32 values in registers: of x, or of a dequantized weight block. A tile's
+// accumulators are single Vecs, summed across lanes once per output.
 #if BQ_AVX512
 using Vec = __m512;
 #elif BQ_AVX2
