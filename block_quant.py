@@ -23,13 +23,14 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "block_quant.c
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: at::parallel_for is inline, OpenMP pragmas (torch's libgomp at run time)
 BLOCK = 32  # weights per block (and its scale)
 # Rows of x up to which forward() runs the kernels; above, dequantizing to bf16 and F.linear
-# (oneDNN, AMX) is faster. bench/block_quant.py, 1 thread, median µs, q4 kernel / dequantize + F.linear:
-#   rows   576x960    576x576    576x3072   1536x576   (K x N)
-#    12    117 / 128   72 / 81   380 / 468  177 / 209
-#    14    134 / 128   82 / 81   423 / 471  209 / 212
-#    16    147 / 129   91 / 82   468 / 473  226 / 210
-# (q8 is ~15 % slower than q4 there.)
-KERNEL_MAX_ROWS = 12
+# (oneDNN, AMX) is faster. bench/block_quant.py on an idle machine, median µs,
+# q4 kernel / bf16_linear, 1 thread | 2 threads:
+#   rows   576x960    576x576    576x3072   1536x576   576x49152   (K x N)
+#    12   149 / 235   87 / 138  430 / 610  217 / 385   7338 / 9597  |  78 / 128  52 / 107  242 / 387  117 / 225  3811 / 9658
+#    16   171 / 176  104 / 120  558 / 665  267 / 353   9198 / 9581  |  94 / 119  66 / 103  282 / 296  150 / 224  5078 / 7281
+#    20   220 / 181  138 / 136  730 / 736  336 / 386  11525 / 20443 | 118 / 143  78 / 97   371 / 323  183 / 211  6163 / 6838
+# (q8 is ~10 % slower than q4 there.)
+KERNEL_MAX_ROWS = 16
 # Weights dequantized at once on the F.linear path: 4 MB of bf16, which the allocator reuses and
 # the caches hold. A whole 576 x 49152 output projection (57 MB) took 35 ms for 16 rows, against
 # 9 ms in slices, most of it page faults of the fresh buffer.
@@ -120,10 +121,14 @@ class BlockLinear(nn.Module):
             else:
                 out = torch.ops.block_quant.linear_q8(x2.float(), self.qweight, self.scales)
         else:
-            xb, step = x2.to(torch.bfloat16), max(1, DEQUANTIZE_SLICE // self.in_features)
-            out = torch.cat([F.linear(xb, self.dequantize(torch.bfloat16, slice(n, n + step)))
-                             for n in range(0, self.out_features, step)], -1)
+            out = self.bf16_linear(x2)
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def bf16_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x (M, in) @ w.T in bfloat16, by F.linear on the weight dequantized in slices of rows."""
+        xb, step = x.to(torch.bfloat16), max(1, DEQUANTIZE_SLICE // self.in_features)
+        return torch.cat([F.linear(xb, self.dequantize(torch.bfloat16, slice(n, n + step)))
+                          for n in range(0, self.out_features, step)], -1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
         """The weight (out_features, in_features) the kernels compute with (float32), or it

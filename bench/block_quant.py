@@ -4,7 +4,7 @@
 
 For each weight (in_features K, out_features N) and rows M of x, µs per call of:
   q4, q8        our kernels, x float32 (torch.ops.block_quant.linear_q4 / linear_q8)
-  deq+bf16      what BlockLinear does above KERNEL_MAX_ROWS: dequantize_q4 to bf16, then F.linear
+  deq+bf16      what BlockLinear does above KERNEL_MAX_ROWS: dequantize_q4 to bf16 (in 4 MB slices), F.linear
   int4          torch's _weight_int4pack_mm_for_cpu (bf16 x, bf16 scales and zeros: QUANT=int4)
   int8          torch's _weight_int8pack_mm (bf16 x, one scale per output channel: QUANT=int8)
   fp32, bf16    F.linear on the weight in that dtype (converted once, before timing)
@@ -65,7 +65,7 @@ def variants(K: int, N: int, M: int) -> dict:
     return {
         "q4": lambda: ops.linear_q4(x, q4.qweight, q4.scales, q4.offsets),
         "q8": lambda: ops.linear_q8(x, q8.qweight, q8.scales),
-        "deq+bf16": lambda: F.linear(xb, ops.dequantize_q4(q4.qweight, q4.scales, q4.offsets, torch.bfloat16)),
+        "deq+bf16": lambda: q4.bf16_linear(x),
         "int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, int4, 32, zeros),
         "int8": lambda: torch.ops.aten._weight_int8pack_mm(xb, int8, int8_scales),
         "fp32": lambda: F.linear(x, w),
