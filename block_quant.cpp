@@ -1,0 +1,378 @@
+// Weight-only block-quantized linear layers for the CPU, with the numbers of GGUF's Q4_0, Q4_1
+// and Q8_0 files: out (M, N) = x (M, K) @ w.T, x and out float32, w dequantized in registers.
+//
+// Layouts, for a weight of N rows (output channels) and K columns, in blocks of 32 columns:
+//   q4: qweight uint8 (N, K/2). Block b of a row is bytes 16b..16b+15; byte j holds weight j in
+//       its low nibble and weight j+16 in its high one (GGUF's own order). Zero-extending the 16
+//       bytes to 32-bit lanes puts weights 0..15 in the low 4 bits and 16..31 four bits up,
+//       already in x's order: no shuffle. w = scale * q + offset, q in 0..15
+//       (Q4_1: offset = m; Q4_0: offset = -8 * scale).
+//   q8: qweight int8 (N, K), w = scale * q.
+//   scales, offsets: fp16 (N, K/32): a GGUF file's own numbers, 4 bytes a block fewer to read
+//   than fp32 (a q4 block is 20 bytes, not 24).
+// fma(q, scale, offset) rounds once, as scale * q + offset does in fp32, because scale * q is
+// exact (an 11-bit by at most 8-bit product): the kernels multiply x by the very weights
+// dequantize returns, and only the order of the fp32 sums differs from x @ dequantize().T.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define BQ_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define BQ_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t BLOCK = 32;  // weights per block, as in GGUF's Q4_0, Q4_1 and Q8_0
+
+// One block of 32 fp32 values in registers: of x, or of a dequantized weight block. A tile's
+// accumulators are single Vecs, summed across lanes once per output.
+#if BQ_AVX512
+using Vec = __m512;
+#elif BQ_AVX2
+using Vec = __m256;
+#else
+using Vec = float;
+#endif
+constexpr int VECS = BLOCK * sizeof(float) / sizeof(Vec);
+struct Block {
+  Vec v[VECS];
+};
+
+#if BQ_AVX512
+
+inline Block load(const float* p) { return {_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)}; }
+inline void store(float* p, const Block& b) {
+  _mm512_storeu_ps(p, b.v[0]);
+  _mm512_storeu_ps(p + 16, b.v[1]);
+}
+inline void fma_into(Vec& acc, const Block& x, const Block& w) {
+  for (int i = 0; i < VECS; i++) acc = _mm512_fmadd_ps(x.v[i], w.v[i], acc);
+}
+inline float sum(Vec a) { return _mm512_reduce_add_ps(a); }
+
+// A q4 block has 16 possible weights, scale * q + offset: one FMA makes that table and vpermps
+// looks each nibble up in it. vpermps reads only the low 4 bits of each lane, so the low
+// nibbles need no mask. 7 vector instructions a block (with the 2 FMAs with x), against 9 when
+// converting the nibbles to floats, and the throughput follows (~4 cycles a block, measured).
+inline Block dequant_q4(const uint8_t* p, float scale, float offset) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
+  __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm512_permutexvar_ps(bytes, table), _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table)};
+}
+inline Block dequant_q8(const int8_t* p, float scale, float offset) {
+  __m512 s = _mm512_set1_ps(scale), o = _mm512_set1_ps(offset);
+  Block w;
+  for (int i = 0; i < 2; i++) {
+    __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i)));
+    w.v[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s, o);
+  }
+  return w;
+}
+
+// n <= 16 fp16 numbers to fp32
+inline void to_float(const at::Half* h, int64_t n, float* out) {
+  __mmask16 m = (1u << n) - 1;
+  _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, h)));
+}
+
+#elif BQ_AVX2
+
+inline Block load(const float* p) {
+  return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)};
+}
+inline void store(float* p, const Block& b) {
+  for (int i = 0; i < VECS; i++) _mm256_storeu_ps(p + 8 * i, b.v[i]);
+}
+inline void fma_into(Vec& acc, const Block& x, const Block& w) {
+  for (int i = 0; i < VECS; i++) acc = _mm256_fmadd_ps(x.v[i], w.v[i], acc);
+}
+inline float sum(Vec a) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+inline Block dequant_q4(const uint8_t* p, float scale, float offset) {
+  __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m256i b0 = _mm256_cvtepu8_epi32(packed), b1 = _mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8));
+  __m256i mask = _mm256_set1_epi32(15);
+  __m256i q[4] = {_mm256_and_si256(b0, mask), _mm256_and_si256(b1, mask),  // weights 0..7, 8..15
+                  _mm256_srli_epi32(b0, 4), _mm256_srli_epi32(b1, 4)};     // 16..23, 24..31
+  __m256 s = _mm256_set1_ps(scale), o = _mm256_set1_ps(offset);
+  Block w;
+  for (int i = 0; i < 4; i++) w.v[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[i]), s, o);
+  return w;
+}
+inline Block dequant_q8(const int8_t* p, float scale, float offset) {
+  __m256 s = _mm256_set1_ps(scale), o = _mm256_set1_ps(offset);
+  Block w;
+  for (int i = 0; i < 4; i++) {
+    __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)));
+    w.v[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, o);
+  }
+  return w;
+}
+
+inline void to_float(const at::Half* h, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; i++) out[i] = _cvtsh_ss(h[i].x);
+}
+
+#else  // plain C++: the compiler vectorizes what it can
+
+inline Block load(const float* p) {
+  Block x;
+  std::copy(p, p + BLOCK, x.v);
+  return x;
+}
+inline void store(float* p, const Block& b) { std::copy(b.v, b.v + BLOCK, p); }
+inline void fma_into(Vec& acc, const Block& x, const Block& w) {
+  for (int i = 0; i < VECS; i++) acc += x.v[i] * w.v[i];
+}
+inline float sum(Vec a) { return a; }
+
+inline Block dequant_q4(const uint8_t* p, float scale, float offset) {
+  Block w;
+  for (int j = 0; j < 16; j++) {
+    w.v[j] = scale * (p[j] & 15) + offset;
+    w.v[j + 16] = scale * (p[j] >> 4) + offset;
+  }
+  return w;
+}
+inline Block dequant_q8(const int8_t* p, float scale, float offset) {
+  Block w;
+  for (int j = 0; j < BLOCK; j++) w.v[j] = scale * p[j] + offset;
+  return w;
+}
+
+inline void to_float(const at::Half* h, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; i++) out[i] = static_cast<float>(h[i]);
+}
+
+#endif
+
+inline void store(at::BFloat16* p, const Block& b) {
+#if BQ_AVX512 && defined(__AVX512BF16__)
+  for (int i = 0; i < 2; i++)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 16 * i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(b.v[i])));
+#else
+  alignas(64) float f[BLOCK];
+  store(f, b);
+  for (int i = 0; i < BLOCK; i++) p[i] = f[i];  // c10's rounding: to nearest even, as .to(torch.bfloat16)
+#endif
+}
+
+// The two formats: how a block is stored and dequantized.
+struct Q4 {
+  using Packed = uint8_t;
+  static constexpr int64_t BYTES = BLOCK / 2;  // per block
+  static Block dequant(const uint8_t* p, float s, float o) { return dequant_q4(p, s, o); }
+};
+struct Q8 {
+  using Packed = int8_t;
+  static constexpr int64_t BYTES = BLOCK;
+  static Block dequant(const int8_t* p, float s, float o) { return dequant_q8(p, s, o); }
+};
+
+template <class F>
+struct Weight {
+  const typename F::Packed* q;
+  const at::Half* scales;
+  const at::Half* offsets;  // nullptr: every offset is 0
+  int64_t blocks;           // per row: K / 32
+
+  const typename F::Packed* row(int64_t n) const { return q + n * blocks * F::BYTES; }
+};
+
+constexpr int64_t CHUNK = 16;  // blocks whose scales and offsets are made fp32 at once (one zmm)
+
+// The scales and offsets of blocks b0..b0+len (len <= CHUNK) of row n in fp32, on the stack,
+// from where each block broadcasts its own with a plain load: converting fp16 one block at a
+// time costs more than the rest of the block.
+template <class F>
+inline void chunk_scales(const Weight<F>& w, int64_t n, int64_t b0, int64_t len, float* s, float* o) {
+  to_float(w.scales + n * w.blocks + b0, len, s);
+  if (w.offsets)
+    to_float(w.offsets + n * w.blocks + b0, len, o);
+  else
+    std::fill(o, o + len, 0.f);
+}
+
+// out[m..m+R, n..n+C]: each weight block of the C rows is dequantized once and used for the R
+// rows of x (register tiling: R*C accumulators and 2*C weight vectors of the 32 zmm).
+// noinline: inlined into the parallel loop, GCC kept the row pointers on the stack (+25 %).
+template <class F, int R, int C>
+__attribute__((noinline)) void tile(const float* x, int64_t K, const Weight<F>& w, int64_t m, int64_t n,
+                                    float* out, int64_t N) {
+  const typename F::Packed* q[C];
+  for (int c = 0; c < C; c++) q[c] = w.row(n + c);
+  const float* xr[R];
+  for (int r = 0; r < R; r++) xr[r] = x + (m + r) * K;
+  Vec acc[R][C] = {};
+  for (int64_t b0 = 0; b0 < w.blocks; b0 += CHUNK) {
+    int64_t len = std::min(CHUNK, w.blocks - b0);
+    alignas(64) float s[C][CHUNK], o[C][CHUNK];
+    for (int c = 0; c < C; c++) chunk_scales(w, n + c, b0, len, s[c], o[c]);
+    for (int64_t b = 0; b < len; b++) {
+      Block wb[C];
+      for (int c = 0; c < C; c++) {
+        wb[c] = F::dequant(q[c], s[c][b], o[c][b]);
+        q[c] += F::BYTES;
+      }
+      for (int r = 0; r < R; r++) {
+        Block xb = load(xr[r]);
+        xr[r] += BLOCK;
+        for (int c = 0; c < C; c++) fma_into(acc[r][c], xb, wb[c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < C; c++) out[(m + r) * N + n + c] = sum(acc[r][c]);
+}
+
+// Tile sizes, measured (1 thread, K = 576 and 1536, cycles per row of x and block): one row of x
+// takes 4 weight rows a tile (2 rows: 10 % slower; 3, 6 or 8: the same within the noise); 8
+// rows of x take 2 weight rows (2.0, against 2.3 with 4x4, 4x3 or 6x3 tiles).
+constexpr int TILE_M = 8;  // rows of x per tile, at most
+template <int R>
+constexpr int tile_n() { return R <= 4 ? 4 : 2; }  // weight rows per tile
+constexpr int64_t ROWS_PER_TASK = 16;  // weight rows a task computes for every row of x, in L1
+
+template <class F, int R>
+void tiles(const float* x, int64_t K, const Weight<F>& w, int64_t m, int64_t n0, int64_t n1, float* out, int64_t N) {
+  constexpr int C = tile_n<R>();
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) tile<F, R, C>(x, K, w, m, n, out, N);
+  for (; n < n1; n++) tile<F, R, 1>(x, K, w, m, n, out, N);
+}
+
+template <class F>
+void rows(const float* x, int64_t M, int64_t K, const Weight<F>& w, int64_t n0, int64_t n1, float* out, int64_t N) {
+  for (int64_t m = 0; m < M; m += TILE_M) {
+    switch (std::min<int64_t>(TILE_M, M - m)) {
+      case 1: tiles<F, 1>(x, K, w, m, n0, n1, out, N); break;
+      case 2: tiles<F, 2>(x, K, w, m, n0, n1, out, N); break;
+      case 3: tiles<F, 3>(x, K, w, m, n0, n1, out, N); break;
+      case 4: tiles<F, 4>(x, K, w, m, n0, n1, out, N); break;
+      case 5: tiles<F, 5>(x, K, w, m, n0, n1, out, N); break;
+      case 6: tiles<F, 6>(x, K, w, m, n0, n1, out, N); break;
+      case 7: tiles<F, 7>(x, K, w, m, n0, n1, out, N); break;
+      case 8: tiles<F, 8>(x, K, w, m, n0, n1, out, N); break;
+    }
+  }
+}
+
+void check_shapes(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor* offsets, int64_t K,
+                  int64_t bytes_per_block, at::ScalarType packed) {
+  TORCH_CHECK(K > 0 && K % BLOCK == 0, "K must be a positive multiple of 32, got ", K);
+  int64_t N = qweight.size(0);
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == packed && qweight.is_contiguous() &&
+                  qweight.size(1) == K / BLOCK * bytes_per_block,
+              "qweight must be contiguous ", packed, " (N, ", K / BLOCK * bytes_per_block, ") for K = ", K);
+  for (const at::Tensor* t : {&scales, offsets})
+    if (t)
+      TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                      t->size(1) == K / BLOCK,
+                  "scales and offsets must be contiguous float16 (N, K/32) = (", N, ", ", K / BLOCK, ")");
+}
+
+template <class F>
+Weight<F> weight(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor* offsets) {
+  return {qweight.data_ptr<typename F::Packed>(), scales.data_ptr<at::Half>(),
+          offsets ? offsets->data_ptr<at::Half>() : nullptr, scales.size(1)};
+}
+
+template <class F>
+at::Tensor linear(const at::Tensor& x_, const at::Tensor& qweight, const at::Tensor& scales,
+                  const at::Tensor* offsets) {
+  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat, "x must be float32 (M, K)");
+  int64_t M = x_.size(0), K = x_.size(1), N = qweight.size(0);
+  check_shapes(qweight, scales, offsets, K, F::BYTES, c10::CppTypeToScalarType<typename F::Packed>::value);
+  at::Tensor x = x_.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  Weight<F> w = weight<F>(qweight, scales, offsets);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+  // at least ~64K multiply-adds per thread: below that, waking another thread costs more than it saves
+  int64_t grain = std::max<int64_t>(1, 65536 / (M * K * ROWS_PER_TASK));
+  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++)
+      rows(xp, M, K, w, t * ROWS_PER_TASK, std::min(N, (t + 1) * ROWS_PER_TASK), op, N);
+  });
+  return out;
+}
+
+template <class F, class T>
+void dequantize_rows(const Weight<F>& w, T* out, int64_t n0, int64_t n1) {
+  alignas(64) float s[CHUNK], o[CHUNK];
+  for (int64_t n = n0; n < n1; n++) {
+    const typename F::Packed* q = w.row(n);
+    T* row = out + n * w.blocks * BLOCK;
+    for (int64_t b0 = 0; b0 < w.blocks; b0 += CHUNK) {
+      int64_t len = std::min(CHUNK, w.blocks - b0);
+      chunk_scales(w, n, b0, len, s, o);
+      for (int64_t b = 0; b < len; b++) store(row + (b0 + b) * BLOCK, F::dequant(q + (b0 + b) * F::BYTES, s[b], o[b]));
+    }
+  }
+}
+
+// The weight as dtype (float32: exactly the weights the kernels use; bfloat16: those rounded)
+template <class F>
+at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor* offsets,
+                      at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize gives float32 or bfloat16, not ", dtype);
+  int64_t N = qweight.size(0), K = scales.size(1) * BLOCK;
+  check_shapes(qweight, scales, offsets, K, F::BYTES, c10::CppTypeToScalarType<typename F::Packed>::value);
+  at::Tensor out = at::empty({N, K}, qweight.options().dtype(dtype));
+  if (N == 0) return out;
+  Weight<F> w = weight<F>(qweight, scales, offsets);
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t n0, int64_t n1) {
+    if (dtype == at::kFloat)
+      dequantize_rows(w, out.data_ptr<float>(), n0, n1);
+    else
+      dequantize_rows(w, out.data_ptr<at::BFloat16>(), n0, n1);
+  });
+  return out;
+}
+
+at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                     const at::Tensor& offsets) {
+  return linear<Q4>(x, qweight, scales, &offsets);
+}
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  return linear<Q8>(x, qweight, scales, nullptr);
+}
+at::Tensor dequantize_q4(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& offsets,
+                         at::ScalarType dtype) {
+  return dequantize<Q4>(qweight, scales, &offsets, dtype);
+}
+at::Tensor dequantize_q8(const at::Tensor& qweight, const at::Tensor& scales, at::ScalarType dtype) {
+  return dequantize<Q8>(qweight, scales, nullptr, dtype);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(block_quant, m) {
+  m.def("linear_q4(Tensor x, Tensor qweight, Tensor scales, Tensor offsets) -> Tensor");
+  m.def("linear_q8(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+  m.def("dequantize_q4(Tensor qweight, Tensor scales, Tensor offsets, ScalarType dtype) -> Tensor");
+  m.def("dequantize_q8(Tensor qweight, Tensor scales, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(block_quant, CPU, m) {
+  m.impl("linear_q4", linear_q4);
+  m.impl("linear_q8", linear_q8);
+  m.impl("dequantize_q4", dequantize_q4);
+  m.impl("dequantize_q8", dequantize_q8);
+}

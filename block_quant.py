@@ -1,0 +1,210 @@
+"""Weight-only block-quantized linear layers for the CPU, on our own kernels (block_quant.cpp),
+with the numbers of GGUF's Q4_0, Q4_1 and Q8_0 files: 32 weights a block, each block with its
+fp16 scale (and offset). Activations stay float32: the kernels multiply x by exactly the
+weights dequantize() returns, so a Q4_1 file's layer computes the file's own weights.
+
+BlockLinear(...)(x) runs the kernels for up to KERNEL_MAX_ROWS rows of x, and above that
+dequantizes the weight to bf16 for F.linear (oneDNN, AMX on this machine), which is faster there.
+The ops (torch.ops.block_quant.*) are built on first use by torch.utils.cpp_extension, cached
+across processes in TORCH_EXTENSIONS_DIR, and have fake implementations for torch.compile.
+"""
+
+import hashlib
+import os
+import shutil
+import threading
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "block_quant.cpp")
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: at::parallel_for is inline, OpenMP pragmas (torch's libgomp at run time)
+BLOCK = 32  # weights per block (and its scale)
+# Rows of x up to which forward() runs the kernels; above, dequantizing to bf16 and F.linear
+# (oneDNN, AMX) is faster. bench/block_quant.py on an idle machine, median µs,
+# q4 kernel / bf16_linear, 1 thread | 2 threads:
+#   rows   576x960    576x576    576x3072   1536x576   576x49152   (K x N)
+#    12   149 / 235   87 / 138  430 / 610  217 / 385   7338 / 9597  |  78 / 128  52 / 107  242 / 387  117 / 225  3811 / 9658
+#    16   171 / 176  104 / 120  558 / 665  267 / 353   9198 / 9581  |  94 / 119  66 / 103  282 / 296  150 / 224  5078 / 7281
+#    20   220 / 181  138 / 136  730 / 736  336 / 386  11525 / 20443 | 118 / 143  78 / 97   371 / 323  183 / 211  6163 / 6838
+# (q8 is ~10 % slower than q4 there.)
+KERNEL_MAX_ROWS = 16
+# Weights dequantized at once on the F.linear path: 4 MB of bf16, which the allocator reuses and
+# the caches hold. A whole 576 x 49152 output projection (57 MB) took 35 ms for 16 rows, against
+# 9 ms in slices, most of it page faults of the fresh buffer.
+DEQUANTIZE_SLICE = 2**21
+
+# GGUF's block formats: bytes per block of 32 weights; each block starts with its fp16 scale d
+# (Q4_1: then its fp16 offset m), then the weights (Q4: 16 bytes of nibbles, GGUF's order is ours).
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+_lock = threading.Lock()
+_loaded = False
+
+
+def load():
+    """Build block_quant.cpp (once per source: torch caches the build in TORCH_EXTENSIONS_DIR, and
+    its lock file lets one process build while the others wait) and load its ops, with their
+    fake implementations. ValueError when the machine lacks what building takes."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        from torch.utils.cpp_extension import is_ninja_available, load as build
+
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            raise ValueError(f"the block-quantized layers' CPU kernels (block_quant.cpp) are built on first use "
+                             f"and need a C++ compiler: {compiler!r} is not on PATH (install g++, or set CXX)")
+        if not is_ninja_available():
+            raise ValueError("the block-quantized layers' CPU kernels (block_quant.cpp) are built on first use "
+                             "and need ninja: pip install ninja==1.13.2 (requirements.txt)")
+        with open(SOURCE, "rb") as f:
+            # a name per source and CPU (-march=native): builds of other versions (other checkouts),
+            # or from another machine sharing the cache, never overwrite nor stand in for this one
+            digest = hashlib.sha256(f.read() + repr(CFLAGS).encode() + cpu_flags()).hexdigest()[:12]
+        build(name=f"block_quant_{digest}", sources=[SOURCE], extra_cflags=CFLAGS, is_python_module=False)
+        register_fakes()
+        _loaded = True
+
+
+def cpu_flags() -> bytes:
+    """The instruction sets /proc/cpuinfo lists (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        return b""
+
+
+def register_fakes():
+    """Output shapes for torch.compile, which traces the ops without running them."""
+    def linear(x, qweight, scales, offsets=None):
+        return x.new_empty(x.shape[0], qweight.shape[0])
+
+    def dequantize(qweight, scales, *rest):
+        dtype = rest[-1]
+        return qweight.new_empty(qweight.shape[0], scales.shape[1] * BLOCK, dtype=dtype)
+
+    for name, fake in (("linear_q4", linear), ("linear_q8", linear),
+                       ("dequantize_q4", dequantize), ("dequantize_q8", dequantize)):
+        torch.library.register_fake(f"block_quant::{name}", fake)
+
+
+class BlockLinear(nn.Module):
+    """y = x @ w.T with w (out_features, in_features) in blocks of 32 input channels:
+    bits=4: qweight uint8 (out, in/2), w = scales * q + offsets, q in 0..15 (nibble layout:
+    block_quant.cpp); bits=8: qweight int8 (out, in), w = scales * q. scales and offsets are
+    fp16 (out, in/32)."""
+
+    def __init__(self, bits: int, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None):
+        super().__init__()
+        if bits not in (4, 8) or (offsets is None) != (bits == 8):
+            raise ValueError(f"BlockLinear takes bits=4 with offsets or bits=8 without, got bits={bits}")
+        packed = torch.uint8 if bits == 4 else torch.int8
+        if qweight.dtype != packed or any(t.dtype != torch.float16 for t in (scales, offsets) if t is not None):
+            raise ValueError(f"BlockLinear bits={bits} takes {packed} weights and float16 scales")
+        load()
+        self.bits = bits
+        self.out_features, self.in_features = scales.shape[0], scales.shape[1] * BLOCK
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("offsets", None if offsets is None else offsets.contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= KERNEL_MAX_ROWS:
+            if self.bits == 4:
+                out = torch.ops.block_quant.linear_q4(x2.float(), self.qweight, self.scales, self.offsets)
+            else:
+                out = torch.ops.block_quant.linear_q8(x2.float(), self.qweight, self.scales)
+        else:
+            out = self.bf16_linear(x2)
+        return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def bf16_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x (M, in) @ w.T in bfloat16, by F.linear on the weight dequantized in slices of rows."""
+        xb, step = x.to(torch.bfloat16), max(1, DEQUANTIZE_SLICE // self.in_features)
+        return torch.cat([F.linear(xb, self.dequantize(torch.bfloat16, slice(n, n + step)))
+                          for n in range(0, self.out_features, step)], -1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
+        """The weight (out_features, in_features) the kernels compute with (float32), or it
+        rounded to bfloat16; rows: those rows only."""
+        if self.bits == 4:
+            return torch.ops.block_quant.dequantize_q4(self.qweight[rows], self.scales[rows], self.offsets[rows], dtype)
+        return torch.ops.block_quant.dequantize_q8(self.qweight[rows], self.scales[rows], dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}"
+
+    @classmethod
+    @torch.no_grad()
+    def from_weight(cls, w: torch.Tensor, bits: int) -> "BlockLinear":
+        """Quantize a float weight (out, in) in blocks of 32 input channels: bits=4 as GGUF's Q4_1
+        (scale (max - min) / 15, offset min), bits=8 as Q8_0 (scale absmax / 127). The scales are
+        rounded to fp16 first, so that q fits the numbers the kernels use."""
+        out_features, in_features = w.shape
+        if in_features % BLOCK:
+            raise ValueError(f"block quantization needs in_features divisible by {BLOCK}, got {in_features}")
+        blocks = w.detach().to("cpu", torch.float32).reshape(out_features, in_features // BLOCK, BLOCK)
+        lo, hi = blocks.aminmax(dim=-1)
+        if bits == 4:
+            scales, offsets = ((hi - lo) / 15).half(), lo.half()
+            q = (blocks - offsets.float()[..., None]) / scales.float()[..., None]
+            q = q.nan_to_num_(0).round_().clamp_(0, 15).to(torch.uint8)  # 0/0: a constant block
+            qweight = (q[..., :16] | q[..., 16:] << 4).reshape(out_features, in_features // 2)
+        elif bits == 8:
+            scales, offsets = (torch.maximum(-lo, hi) / 127).half(), None
+            q = (blocks / scales.float()[..., None]).nan_to_num_(0).round_().clamp_(-127, 127)
+            qweight = q.to(torch.int8).reshape(out_features, in_features)
+        else:
+            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        if not torch.isfinite(scales).all():
+            raise ValueError("a block's scale does not fit in float16")
+        return cls(bits, qweight, scales, offsets)
+
+    @classmethod
+    def from_gguf(cls, qtype, raw: np.ndarray, rows: int, cols: int,
+                  columns: tuple[int, int] | None = None) -> "BlockLinear":
+        """A GGUF tensor's rows as they are stored: raw, uint8 (rows, bytes per row) as
+        gguf.GGUFReader's tensor.data (or a slice of its rows), of a weight (rows, cols) in
+        qtype Q4_0 (w = d * (q - 8)), Q4_1 (w = d * q + m) or Q8_0 (w = d * q), a
+        gguf.GGMLQuantizationType or its name. columns=(start, end), multiples of 32: only those
+        input channels (a tensor-parallel shard). The file's numbers are kept exactly."""
+        name = getattr(qtype, "name", qtype)
+        if name not in GGUF_BLOCK_BYTES:
+            raise ValueError(f"BlockLinear reads GGUF tensors of types {', '.join(GGUF_BLOCK_BYTES)}, not {name}")
+        start, end = columns or (0, cols)
+        if cols % BLOCK or start % BLOCK or end % BLOCK or not 0 <= start < end <= cols:
+            raise ValueError(f"columns {start}..{end} of {cols} must be multiples of {BLOCK} and in range")
+        size = GGUF_BLOCK_BYTES[name]
+        if raw.dtype != np.uint8 or raw.shape != (rows, cols // BLOCK * size):
+            raise ValueError(f"a {name} tensor of {rows} x {cols} is uint8 ({rows}, {cols // BLOCK * size}), "
+                             f"got {raw.dtype} {tuple(raw.shape)}")
+        blocks = raw.reshape(rows, cols // BLOCK, size)[:, start // BLOCK:end // BLOCK]
+        d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+        if name == "Q8_0":
+            qweight = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, end - start)
+            return cls(8, torch.from_numpy(qweight), torch.from_numpy(d))
+        if name == "Q4_1":
+            offsets = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
+        else:
+            with np.errstate(over="ignore"):
+                offsets = d * np.float16(-8)  # exact in fp16 (a power of 2) unless it overflows
+            if not np.isfinite(offsets).all():
+                raise ValueError("a Q4_0 block's scale is too large: -8 * d overflows float16")
+        qweight = np.ascontiguousarray(blocks[..., size - 16:]).reshape(rows, (end - start) // 2)
+        return cls(4, torch.from_numpy(qweight), torch.from_numpy(d), torch.from_numpy(offsets))
+
+    @classmethod
+    def cat(cls, layers: list["BlockLinear"]) -> "BlockLinear":
+        """One layer whose output channels are those of layers in turn (a fused q/k/v or gate/up
+        projection from several GGUF tensors)."""
+        bits, in_features = layers[0].bits, layers[0].in_features
+        if any(m.bits != bits or m.in_features != in_features for m in layers):
+            raise ValueError("BlockLinear.cat needs layers of one bit width and one in_features")
+        return cls(bits, torch.cat([m.qweight for m in layers]), torch.cat([m.scales for m in layers]),
+                   None if bits == 8 else torch.cat([m.offsets for m in layers]))

@@ -1,0 +1,269 @@
+"""Block-quantized linear layers (block_quant.py, block_quant.cpp): the kernels against a matrix
+product with the dequantized weights, GGUF's numbers kept exactly (gguf.quants as reference),
+column shards, fused rows, bf16 inputs, torch.compile, and the refusal without a compiler."""
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import block_quant
+from block_quant import BlockLinear
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOLLM2 = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+QTYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0]
+
+
+def weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Random weights with an outlier, a row of zeros, a constant block and a negative block."""
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05
+    w[0, 3] = 1.5
+    if rows > 3:
+        w[1] = 0.0
+        w[2, :32] = 0.25
+        w[3, 32:64] = -torch.rand(32, generator=torch.Generator().manual_seed(seed))
+    return w
+
+
+def kernel(layer: BlockLinear, x: torch.Tensor) -> torch.Tensor:
+    """The kernel itself at any number of rows (forward switches to F.linear above KERNEL_MAX_ROWS)."""
+    if layer.bits == 4:
+        return torch.ops.block_quant.linear_q4(x, layer.qweight, layer.scales, layer.offsets)
+    return torch.ops.block_quant.linear_q8(x, layer.qweight, layer.scales)
+
+
+def assert_matches_dequantized(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
+    """out == x @ w.T up to the order of fp32 sums: each error within 1e-6 of the sum of the
+    products' magnitudes (quantization errors are ~1e-2 of it, bf16 rounding ~4e-3)."""
+    ref = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    err = ((out.double() - ref).abs() / scale.clamp(min=1e-30)).max().item()
+    assert err < 1e-6, err
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("K", [64, 576, 1536])
+def test_kernels_compute_the_dequantized_weights(bits, K):
+    for N in (1, 7, 37, 101):  # tails of every tile width
+        layer = BlockLinear.from_weight(weight(N, K, seed=N), bits)
+        w = layer.dequantize()
+        for M in (1, 2, 3, 8, 17, 64):
+            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+            assert_matches_dequantized(kernel(layer, x), x, w)
+
+
+def test_kernels_on_two_threads_compute_the_same():
+    """Tasks split the output rows, never a sum: the result does not depend on the threads."""
+    layer = BlockLinear.from_weight(weight(101, 576), 4)
+    x = torch.randn(5, 576)
+    one = kernel(layer, x)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = kernel(layer, x)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_from_weight_rounds_to_the_nearest_level(bits):
+    """4 bits: Q4_1's levels min + scale * q; 8 bits: Q8_0's scale * q, scale = absmax / 127.
+    Every weight lands within half a level of its own value (plus the fp16 rounding of min)."""
+    w = weight(9, 128)
+    layer = BlockLinear.from_weight(w, bits)
+    blocks = w.view(9, 4, 32)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    scale = (hi - lo) / 15 if bits == 4 else torch.maximum(-lo, hi) / 127
+    assert torch.equal(layer.scales, scale.half())
+    if bits == 4:
+        assert torch.equal(layer.offsets, lo.half())
+    err = (layer.dequantize().view(9, 4, 32) - blocks).abs()
+    fp16_offset = (lo - lo.half().float()).abs() if bits == 4 else 0
+    assert (err <= (layer.scales.float() / 2 * 1.001 + fp16_offset)[..., None] + 1e-7).all()
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_gguf_blocks_are_kept_exactly(qtype):
+    """Blocks written by gguf.quants.quantize dequantize to gguf.quants.dequantize's numbers, bit
+    for bit but for the sign of Q4_0's zeros (d * (8 - 8) is -0.0 for a negative d, our
+    fma(8, d, -8 * d) +0.0), and the kernel computes with them."""
+    rows, cols = 37, 576
+    raw = gguf.quants.quantize(weight(rows, cols).numpy(), qtype)
+    layer = BlockLinear.from_gguf(qtype, raw, rows, cols)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    assert torch.equal(layer.dequantize(), expected)
+    zeros = expected == 0
+    assert torch.equal(layer.dequantize()[~zeros].view(torch.int32), expected[~zeros].view(torch.int32))
+    x = torch.randn(3, cols)
+    assert_matches_dequantized(kernel(layer, x), x, expected)
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda t: t.name)
+def test_gguf_row_slices_and_column_ranges(qtype):
+    """A slice of the rows (raw[a:b]) and a range of input channels (a TP shard) hold exactly those
+    weights; a range that cuts a block is refused."""
+    rows, cols = 12, 256
+    raw = gguf.quants.quantize(weight(rows, cols).numpy(), qtype)
+    full = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    part = BlockLinear.from_gguf(qtype.name, raw[4:9], 5, cols, columns=(64, 192))
+    assert (part.out_features, part.in_features) == (5, 128)
+    assert torch.equal(part.dequantize(), full[4:9, 64:192])
+    with pytest.raises(ValueError, match="multiples of 32"):
+        BlockLinear.from_gguf(qtype, raw, rows, cols, columns=(16, 128))
+    with pytest.raises(ValueError, match="uint8"):
+        BlockLinear.from_gguf(qtype, raw, rows + 1, cols)
+
+
+def test_smollm2_tensors_from_the_file():
+    """The file's own Q4_1 projection and Q8_0 embedding, as gguf.GGUFReader gives them."""
+    if not os.path.exists(SMOLLM2):
+        pytest.skip(f"{SMOLLM2} is missing: make smollm2")
+    tensors = {t.name: t for t in gguf.GGUFReader(SMOLLM2).tensors}
+    for name, rows in (("blk.0.ffn_down.weight", slice(None)), ("token_embd.weight", slice(1000, 1100))):
+        t = tensors[name]
+        raw = t.data[rows]
+        cols = int(t.shape[0])
+        layer = BlockLinear.from_gguf(t.tensor_type, raw, raw.shape[0], cols)
+        assert torch.equal(layer.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, t.tensor_type)))
+
+
+def test_cat_fuses_rows():
+    """A fused projection from pieces (q4 of both GGUF kinds): its weight and its outputs are the pieces' in turn."""
+    cols = 192
+    pieces = [BlockLinear.from_weight(weight(16, cols, 1), 4),
+              BlockLinear.from_gguf("Q4_0", gguf.quants.quantize(weight(5, cols, 2).numpy(), QTYPES[0]), 5, cols)]
+    fused = BlockLinear.cat(pieces)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in pieces]))
+    x = torch.randn(2, cols)
+    assert torch.equal(fused(x), torch.cat([p(x) for p in pieces], -1))
+    with pytest.raises(ValueError, match="one bit width"):
+        BlockLinear.cat([pieces[0], BlockLinear.from_weight(weight(4, cols), 8)])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_forward_shapes_dtypes_and_the_bf16_path(bits, monkeypatch):
+    """forward: any leading shape, float32 or bfloat16 (computed in fp32 by the kernel up to
+    KERNEL_MAX_ROWS rows, in bf16 by F.linear above, on slices of 16 rows here), output in x's dtype."""
+    monkeypatch.setattr(block_quant, "DEQUANTIZE_SLICE", 16 * 256)
+    layer = BlockLinear.from_weight(weight(40, 256), bits)
+    w = layer.dequantize()
+    few = torch.randn(2, block_quant.KERNEL_MAX_ROWS // 2, 256)
+    out = layer(few)
+    assert out.shape == (2, block_quant.KERNEL_MAX_ROWS // 2, 40) and out.dtype == torch.float32
+    assert torch.equal(out, kernel(layer, few.view(-1, 256)).view(out.shape))
+    out = layer(few.bfloat16())
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, kernel(layer, few.bfloat16().float().view(-1, 256)).view(out.shape).bfloat16())
+    many = torch.randn(block_quant.KERNEL_MAX_ROWS + 1, 256)
+    for x in (many, many.bfloat16()):
+        out = layer(x)
+        assert out.dtype == x.dtype
+        assert torch.equal(out, F.linear(x.bfloat16(), w.bfloat16()).to(x.dtype))
+    assert torch.equal(layer.dequantize(torch.bfloat16), w.bfloat16())
+    assert layer(torch.randn(0, 256)).shape == (0, 40)  # an empty batch
+
+
+def test_fake_implementations():
+    """torch.library.opcheck: the ops' schemas and their fake (meta) implementations agree with the kernels."""
+    layer = BlockLinear.from_weight(weight(8, 64), 4)
+    layer8 = BlockLinear.from_weight(weight(8, 64), 8)
+    x = torch.randn(3, 64)
+    ops = torch.ops.block_quant
+    checks = ("test_schema", "test_faketensor")
+    for op, args in ((ops.linear_q4, (x, layer.qweight, layer.scales, layer.offsets)),
+                     (ops.linear_q8, (x, layer8.qweight, layer8.scales)),
+                     (ops.dequantize_q4, (layer.qweight, layer.scales, layer.offsets, torch.bfloat16)),
+                     (ops.dequantize_q8, (layer8.qweight, layer8.scales, torch.float32))):
+        torch.library.opcheck(op, args, test_utils=checks)
+
+
+@pytest.mark.slow
+def test_compiled_module_matches_eager():
+    """A module holding BlockLinears compiles with fullgraph=True (no graph break) and computes as eagerly."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = BlockLinear.from_weight(weight(96, 64), 4)
+            self.down = BlockLinear.from_weight(weight(64, 96), 8)
+
+        def forward(self, x):
+            return self.down(F.silu(self.up(x)))
+
+    module = Block()
+    compiled = torch.compile(module, fullgraph=True)
+    for rows in (1, 3, block_quant.KERNEL_MAX_ROWS + 4):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(compiled(x), module(x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_missing_compiler_is_named(monkeypatch):
+    """Without a C++ compiler (or ninja), load() refuses with one line that says what is missing,
+    before torch's build fails deep inside."""
+    monkeypatch.setattr(block_quant, "_loaded", False)
+    monkeypatch.setenv("CXX", "no-such-c++")
+    with pytest.raises(ValueError) as refusal:
+        block_quant.load()
+    message = str(refusal.value)
+    assert "C++ compiler" in message and "'no-such-c++'" in message and "\n" not in message
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(torch.utils.cpp_extension, "is_ninja_available", lambda: False)
+    with pytest.raises(ValueError, match="ninja"):
+        block_quant.load()
+
+
+# --- building: other instruction sets, several processes at once (each compiles: slow) -----
+
+CHECK_BUILD = """
+import sys, torch
+import block_quant
+block_quant.CFLAGS += sys.argv[1:]
+block_quant.load()
+torch.manual_seed(0)
+for bits in (4, 8):
+    layer = block_quant.BlockLinear.from_weight(torch.randn(37, 576), bits)
+    blocks = layer.qweight.view(37, 18, -1)
+    q = torch.cat([blocks & 15, blocks >> 4], -1) if bits == 4 else blocks  # the layout, in torch
+    w = q.float() * layer.scales.float()[..., None] + (0 if bits == 8 else layer.offsets.float()[..., None])
+    assert torch.equal(layer.dequantize(), w.view(37, 576)), bits
+    assert torch.equal(layer.dequantize(torch.bfloat16), w.view(37, 576).bfloat16()), bits
+    x = torch.randn(5, 576)
+    out = layer(x).double()
+    ref = x.double() @ w.view(37, 576).double().T
+    assert ((out - ref).abs() / (x.double().abs() @ w.view(37, 576).double().abs().T)).max() < 1e-6, bits
+print("computed")
+"""
+
+
+def run_check_build(env: dict, *cflags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHECK_BUILD, *cflags], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cflags", [["-mno-avx512f"], ["-mno-avx"]], ids=["avx2", "plain"])
+def test_avx2_and_plain_cpp_paths(cflags):
+    """The kernels built without AVX-512 (the AVX2 path) and without AVX (plain C++) compute the
+    same weights, read back in torch from the documented layout."""
+    run = run_check_build(dict(os.environ), *cflags)
+    output, _ = run.communicate(timeout=600)
+    assert run.returncode == 0 and "computed" in output, output[-3000:]
+
+
+@pytest.mark.slow
+def test_ranks_building_at_once(tmp_path):
+    """Two processes (tensor-parallel ranks) loading the kernels at once, with nothing built yet:
+    one builds under torch's lock file while the other waits, and both compute."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    runs = [run_check_build(env) for _ in range(2)]
+    outputs = [run.communicate(timeout=600)[0] for run in runs]
+    for run, output in zip(runs, outputs):
+        assert run.returncode == 0 and "computed" in output, output[-3000:]
+    [log] = tmp_path.glob("block_quant_*/.ninja_log")
+    assert log.read_text().count("block_quant.o") == 1  # compiled once
