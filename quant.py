@@ -3,7 +3,11 @@ int4 (one scale and zero per group of input channels), FP8 (e4m3 weights with on
 output channel, activations quantized per token as they come, for GPUs that multiply FP8),
 and quantize(), which puts them into a sharded Transformer in place, one projection at a time.
 
-The kernels, chosen per device by measurement (bench/decode.py, BENCHMARKS.md):
+On the CPU, int8 and int4 layers are block_quant.BlockLinear (our kernels, blocks of 32 input
+channels as GGUF's Q8_0 and Q4_1, fp32 activations), made from a GGUF file's own blocks where it
+has them in the mode's kind (Q8_0; Q4_0, Q4_1), so that they compute the file's numbers.
+Elsewhere, the kernels, chosen per device by measurement (bench/decode.py, BENCHMARKS.md; the
+CPU branches below serve the GPU check's CPU dry run):
 - int8 on CPU: aten._weight_int8pack_mm, fed bf16 activations (its fp32 path is a scalar loop).
 - int8 on CUDA: F.linear(x, w.to(x.dtype)) * scales, which torch.compile fuses into one kernel
   reading int8 weights (gpt-fast's way). The scales stay fp32 there: with bf16 scales inductor
@@ -13,10 +17,13 @@ The kernels, chosen per device by measurement (bench/decode.py, BENCHMARKS.md):
 Their weight layouts differ, so a layer is quantized on the device it runs on and stays there.
 """
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from block_quant import BLOCK, GGUF_BLOCK_BYTES, BlockLinear
 
 MODES = ("int8", "int4", "fp8")
 FP8_MAX = 448.0  # the largest float8_e4m3fn
@@ -28,6 +35,8 @@ INT4_GROUP_SIZES = (32, 64, 128)
 # int8 copy of it: the embedding stays in full precision for its lookups.
 OUTPUT_MODE = {"int8": "int8", "int4": "int8", "fp8": "fp8"}
 ROW_PARALLEL = ("attention.wo", "feed_forward.w2")  # their shards hold part of each row
+BLOCK_BITS = {"int8": 8, "int4": 4}  # the modes BlockLinear serves on the CPU
+FILE_BLOCKS = {"int8": ("Q8_0",), "int4": ("Q4_0", "Q4_1")}  # the GGUF types each keeps as they are
 
 
 def int8_quantize(w: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,6 +154,8 @@ class Fp8Linear(nn.Module):
 
 def quantized(linear: nn.Linear, mode: str, group_size: int = INT4_GROUP_SIZE, group=None) -> nn.Module:
     """group: see int8_quantize (int4's groups never straddle two ranks: check() sees to it)."""
+    if linear.weight.device.type == "cpu" and mode in BLOCK_BITS:
+        return BlockLinear.from_weight(linear.weight, BLOCK_BITS[mode])
     if mode == "int4":
         return Int4Linear(linear.weight, group_size)
     return (Int8Linear if mode == "int8" else Fp8Linear)(linear.weight, group)
@@ -198,16 +209,21 @@ def check(model: nn.Module, mode: str, group_size: int = INT4_GROUP_SIZE):
 
 
 @torch.no_grad()
-def quantize(model: nn.Module, mode: str, group_size: int = INT4_GROUP_SIZE, fill=None):
+def quantize(model: nn.Module, mode: str, group_size: int = INT4_GROUP_SIZE, fill=None, from_file=None):
     """Replace the projections of model (a model.Transformer, sharded or not) by quantized
     ones, in place, one module at a time. fill(name, module), when given, first allocates and
     loads the parameters of each module that has its own (load_quantized's does): the model
-    can then start on the meta device, and at most one projection is ever in full precision."""
+    can then start on the meta device, and at most one projection is ever in full precision.
+    from_file(name, mode), when given, may return a projection's quantized layer made from
+    the checkpoint's own blocks instead (load_quantized's, on the CPU)."""
     check(model, mode, group_size)
     chosen = projections(model, mode)
     tied = model.output.weight is model.tok_embeddings.weight
     for name in [name for name, _ in model.named_modules()]:  # names: a replaced module must be freed
         module = model.get_submodule(name)
+        if name in chosen and from_file and (layer := from_file(name, chosen[name])) is not None:
+            model.set_submodule(name, layer)
+            continue
         if tied and module is model.output:
             module.weight = model.tok_embeddings.weight  # loaded (fill made it anew): quantized as it is
         elif fill is not None and any(True for _ in module.parameters(recurse=False)):
@@ -233,6 +249,27 @@ def load_quantized(model: nn.Module, reader, plan: dict, device: torch.device, m
         if progress:
             progress(read)
 
-    quantize(model, mode, fill=fill)
+    def from_file(name: str, how: str) -> BlockLinear | None:
+        nonlocal read
+        pieces = plan.get(f"{name}.weight") or plan["tok_embeddings.weight"]  # a tied output: the embedding's
+        layer = file_blocks(reader, pieces, how)
+        read += sum(m.qweight.nbytes + m.scales.nbytes for m in [layer] if m is not None)
+        return layer
+
+    keeps_blocks = device.type == "cpu" and mode in BLOCK_BITS and hasattr(reader, "blocks")
+    quantize(model, mode, fill=fill, from_file=from_file if keeps_blocks else None)
     model.tie_weights()
     return read
+
+
+def file_blocks(reader, pieces: list, mode: str) -> BlockLinear | None:
+    """The BlockLinear of a projection's pieces (tp.weight_plan's, stacked by rows) as a GGUF
+    file holds them, when every piece's blocks are of a type that mode keeps (FILE_BLOCKS)
+    and its columns fall on blocks; None otherwise (the weight is then read and quantized)."""
+    found = [reader.blocks(piece) for piece in pieces]
+    if any(b.qtype.name not in FILE_BLOCKS[mode] or b.skip % BLOCK or b.width % BLOCK for b in found):
+        return None
+    layers = [BlockLinear.from_gguf(b.qtype, np.ascontiguousarray(b.data), b.data.shape[0],
+                                    b.data.shape[1] // GGUF_BLOCK_BYTES[b.qtype.name] * BLOCK, (b.skip, b.skip + b.width))
+              for b in found]
+    return layers[0] if len(layers) == 1 else BlockLinear.cat(layers)

@@ -20,6 +20,7 @@ from torch import nn
 import generate
 import llama2
 import quant
+from block_quant import BlockLinear
 from conftest import DEMO, SERVER_MAX_SEQ_LEN, SERVER_SLOTS, start_demo_server
 from torchrun import run
 
@@ -235,15 +236,17 @@ def test_int8_top1_agreement(held_out_windows, unquantized):
 
 
 def test_quality_checks_can_fail(held_out_windows, unquantized, monkeypatch):
-    """The checks above see a damaged quantization: int8 with 3 levels per channel instead
-    of 255 fails both the perplexity and the agreement limits."""
-    real = quant.int8_quantize
+    """The checks above see a damaged quantization: int8 (the CPU's blocks of 32, block_quant)
+    with 3 levels per block instead of 255 fails both the perplexity and the agreement limits."""
+    real = BlockLinear.from_weight.__func__
 
-    def three_levels(w, group=None):
-        q, scales = real(w, group)
-        return (q.float() / 127).round().to(torch.int8), (scales.float() * 127).bfloat16()
+    def three_levels(cls, w, bits):
+        layer = real(cls, w, bits)
+        layer.qweight = (layer.qweight.float() / 127).round().to(torch.int8)
+        layer.scales = (layer.scales.float() * 127).half()
+        return layer
 
-    monkeypatch.setattr(quant, "int8_quantize", three_levels)
+    monkeypatch.setattr(BlockLinear, "from_weight", classmethod(three_levels))
     logits, targets = teacher_forced(load_demo("int8").runner, held_out_windows)
     assert perplexity(logits, targets) > 1.10 * perplexity(*unquantized)
     assert (logits.argmax(-1) == unquantized[0].argmax(-1)).float().mean().item() < 0.9
