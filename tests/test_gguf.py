@@ -40,10 +40,23 @@ TYPES = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q6_K, "blk.0.attn_norm.
          "blk.0.ffn_up.weight": Q.Q6_K, "blk.0.ffn_down.weight": Q.Q5_K, "blk.1.attn_q.weight": Q.F16,
          "blk.1.attn_k.weight": Q.BF16, "blk.1.attn_output.weight": Q.Q4_1, "blk.1.ffn_gate.weight": Q.Q4_K,
          "blk.1.ffn_down.weight": Q.Q6_K}
+PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def every_projection(qtype: Q, **others: Q) -> dict:
+    return {f"blk.{i}.{p}.weight": qtype for i in range(2) for p in PROJECTIONS} | others
+
+
+# What QUANT keeps as the file has it: Q4_0/Q4_1 for int4 (a tied output from token_embd's Q8_0)
+Q4_FILE = every_projection(Q.Q4_1, **{"token_embd.weight": Q.Q8_0, "blk.0.attn_q.weight": Q.Q4_0,
+                                      "blk.1.ffn_down.weight": Q.Q4_0})
+Q8_FILE = every_projection(Q.Q8_0, **{"output.weight": Q.Q8_0})
 # name: (dim, layers, heads, KV heads, tied, rope scaling, types (None: all F32))
 MODELS = {"llama2": (64, 2, 4, 4, False, None, None),
           "llama3": (64, 2, 8, 2, True, LLAMA3_SCALING, None),
-          "typed": (256, 2, 8, 2, False, None, TYPES)}
+          "typed": (256, 2, 8, 2, False, None, TYPES),
+          "q4": (64, 2, 4, 2, True, None, Q4_FILE),
+          "q8": (64, 2, 4, 2, False, None, Q8_FILE)}
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +139,37 @@ def test_logits_equal_safetensors_tp2(files, tmp_path):
         for name, (model, folder, path) in files.items():
             assert torch.equal(result[path], result[folder]), (rank, name)
             assert (result[path] - reference(model)).abs().max().item() <= TOL, (rank, name)
+
+
+@pytest.mark.parametrize("name, quantization", [("q4", "int4"), ("q8", "int8")])
+def test_quantization_keeps_the_files_blocks(files, name, quantization):
+    """QUANT=int4 on Q4_0/Q4_1 tensors and int8 on Q8_0 ones computes the file's own weights:
+    each projection's layer holds exactly the weights the fp32 load dequantizes (a second
+    rounding would move them), the tied output the embedding's Q8_0; and with as many rows
+    as decoding takes, the logits are the fp32 model's but for the order of the sums."""
+    from block_quant import BlockLinear
+
+    path = files[name][2]
+    full = llama2.tp_llama(None, path, TOKENIZER, 1, max_batch_size=1, max_seq_len=32).model
+    quantized = llama2.tp_llama(None, path, TOKENIZER, 1, max_batch_size=1, max_seq_len=32,
+                                quantization=quantization).model
+    layers = {n: m for n, m in quantized.named_modules() if isinstance(m, BlockLinear)}
+    assert len(layers) == 4 * 2 + 1
+    for n, layer in layers.items():
+        assert torch.equal(layer.dequantize(), full.get_submodule(n).weight), n
+    tokens = long_tokens(full.vocab_size)[:, :8]
+    want = full(tokens, 0)
+    assert (quantized(tokens, 0) - want).abs().max() <= 1e-5 * (want.max() - want.min())
+
+
+@pytest.mark.slow
+def test_quantization_keeps_the_files_blocks_at_tp2(files, tmp_path):
+    """Each rank's shard of the file's blocks: rows of the column-parallel projections, the
+    columns (32 wide blocks) of the row-parallel ones."""
+    for rank in run("blocks_worker.py", 2, tmp_path, files["q4"][2], "int4", TOKENIZER):
+        assert len(rank) == 4 * 2 + 1
+        for n, (w, full) in rank.items():
+            assert torch.equal(w, full), n
 
 
 # --- refused by name, before TorchServe starts and when loading ------------------------------
