@@ -16,7 +16,7 @@ TS_CONFIG ?= config.properties
 URL := $(shell sed -n 's/^inference_address=//p' $(TS_CONFIG))
 BUILD := $(RUN)/build
 STORE := $(RUN)/model_store
-MODEL_FILES := $(wildcard *.py)
+MODEL_FILES := $(wildcard *.py *.cpp)
 DEMO_FILES := demo/params.json demo/consolidated.00.pth demo/tokenizer.model
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 

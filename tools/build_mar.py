@@ -1,4 +1,4 @@
-"""Package the handler, the modules beside it and (optionally) a checkpoint into llama.mar.
+"""Package the handler, the modules beside it (and the C++ kernels they build) and (optionally) a checkpoint into llama.mar.
 
     python tools/build_mar.py --config build/model-config.yaml --weights demo --export-path model_store
 A checkpoint given with --weights is copied into the archive as weights/; without it, the
@@ -24,7 +24,8 @@ def build_mar(config: str, export_path: str, weights: str | None = None, name: s
     os.makedirs(export_path, exist_ok=True)
     handler = handler or os.path.join(root, "handler.py")
     with tempfile.TemporaryDirectory() as stage:
-        extra = [p for p in sorted(glob.glob(os.path.join(root, "*.py"))) + list(modules) if p != handler]
+        sources = glob.glob(os.path.join(root, "*.py")) + glob.glob(os.path.join(root, "*.cpp"))  # the kernels build on first use
+        extra = [p for p in sorted(sources) + list(modules) if p != handler]
         if weights:  # a folder's contents land in the archive's root: stage it as weights/
             shutil.copytree(weights, os.path.join(stage, "weights"))
             extra.append(stage)
