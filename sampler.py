@@ -10,7 +10,8 @@ from sequence import Sequence
 from structured import apply_bitmask
 
 
-TOP_P_CANDIDATES = 64  # the most probable tokens looked at first for the top-p set (a sort of all is the fallback)
+CANDIDATES = 64  # the most probable tokens a draw looks at; the whole vocabulary when its set reaches past them
+MASK32 = 0xFFFFFFFF
 
 
 def nucleus(probs: torch.Tensor, p) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,21 +26,24 @@ def nucleus(probs: torch.Tensor, p) -> tuple[torch.Tensor, torch.Tensor]:
 def top_p_count(probs_sort: torch.Tensor, p) -> torch.Tensor:
     """(..., 1): how many of the most probable tokens (probs_sort, descending) the top-p set
     holds: those whose more probable tokens have less than p of the mass, at least one
-    (p <= 0 would keep none)."""
+    (p <= 0 would keep none), never one of probability 0 (with p = 1, rounding leaves the
+    mass before them just short of it)."""
     before = torch.cumsum(probs_sort, dim=-1) - probs_sort  # mass of the more probable tokens
-    return (before < p).sum(dim=-1, keepdim=True).clamp(min=1)
+    return ((before < p) & (probs_sort > 0)).sum(dim=-1, keepdim=True).clamp(min=1)
 
 
-def top_p_least(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """(b, 1): the least probability in each row's top-p set. The set is found among the
-    TOP_P_CANDIDATES most probable tokens when they hold it (a top-k costs a thirtieth of a
-    sort of 50k tokens), else among all."""
-    top = torch.topk(probs, min(TOP_P_CANDIDATES, probs.shape[-1]), dim=-1).values
-    count = top_p_count(top, p)
-    if bool((count < top.shape[-1]).all()):  # every set ends before the last candidate
-        return top.gather(-1, count - 1)
-    probs_sort = torch.sort(probs, dim=-1, descending=True).values
-    return probs_sort.gather(-1, top_p_count(probs_sort, p) - 1)
+def mix32(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (int64 tensors holding 32-bit values; every product stays below 2**63)."""
+    for _ in range(2):
+        h = ((h ^ (h >> 16)) * 0x45D9F3B) & MASK32
+    return h ^ (h >> 16)
+
+
+def race_draws(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """q ~ Exp(1) for each token id of ids (b, n), from its row's keys (b, 2): a hash of the
+    key and the id, so that a token's draw is the same whichever other tokens are looked at."""
+    h = mix32(mix32(ids ^ keys[:, :1]) ^ keys[:, 1:])
+    return ((h.double() + 0.5) / 2**32).log_().neg_()
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, presence: torch.Tensor,
@@ -105,30 +109,80 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     draw after temperature, top-k and top-p, from the sequence's own generator when it has a
     seed (so that its tokens do not depend on the other rows).
 
-    A draw is an exponential race, as vLLM's sampler makes it: each token of the vocabulary
-    draws q = -log(u), u uniform (so q ~ Exp(1)), in token-id order, and the token of the
-    top-p set with the largest p / q wins (token t with probability p_t over the set's mass).
-    Draws follow the token ids, not the order of a sort, and tokens as probable as the last
-    one of the top-p set stay in with it: two tokens of equal probability that trade places
-    under rounding (in another batch, at another TP size) change neither the set nor the
-    winner. A row costs its generator one draw of the vocabulary, whatever else the step
-    holds: a proposed token (speculative decoding) stands when the draw gives it."""
-    tokens = logits.argmax(dim=-1)
+    A draw is an exponential race, as vLLM's sampler makes it: each token draws q ~ Exp(1)
+    and the token of the top-k and top-p set with the largest p / q wins (token t with
+    probability p_t over the set's mass). A token's q is a hash of its id and a key that the
+    row draws from its generator, one per step: it does not depend on the order of a sort, and
+    tokens as probable as the last one of the set stay in with it, so two tokens of equal
+    probability that trade places under rounding (in another batch, at another TP size)
+    change neither the set nor the winner; the set is looked for among the CANDIDATES most
+    probable tokens, and among all where it reaches past them, with the same draws. A row
+    costs its generator one key whatever else the step holds: a proposed token (speculative
+    decoding) stands when the draw gives it."""
+    device = logits.device
+    tokens = torch.zeros(len(seqs), dtype=torch.long, device=device)
+    greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0]
+    if greedy:
+        index = to_device(greedy, device)
+        tokens[index] = logits[index].argmax(dim=-1)
     rows = [i for i, s in enumerate(seqs) if s.params.temperature > 0]
     if not rows:
         return tokens
-    params, device = [seqs[i].params for i in rows], logits.device
-    index = to_device(rows, device)
+    params, index = [seqs[i].params for i in rows], to_device(rows, device)
     scaled = logits[index] / to_device([p.temperature for p in params], device)[:, None]
-    if any(p.top_k > 0 for p in params):
-        scaled = top_k_filter(scaled, to_device([p.top_k for p in params], device))
-    probs = torch.softmax(scaled, dim=-1)
-    least = top_p_least(probs, to_device([p.top_p for p in params], device, probs.dtype)[:, None])
-    kept = probs.masked_fill((probs < least) | (probs == 0), 0.0)
-    q = torch.stack([torch.empty_like(probs[0]).uniform_(generator=seqs[i].generator) for i in rows]).log_().neg_()
-    # masked after dividing: a draw of q = 0 makes 0 / 0
-    tokens[index] = (kept / q).masked_fill_(kept == 0, -1.0).argmax(dim=-1)
+    top_k = to_device([p.top_k for p in params], device)
+    top_p = to_device([p.top_p for p in params], device, scaled.dtype)[:, None]
+    keys = torch.stack([torch.randint(0, MASK32 + 1, (2,), generator=seqs[i].generator) for i in rows]).to(device)
+    drawn = torch.empty(len(rows), dtype=torch.long, device=device)
+    found = among_candidates(scaled, top_k, top_p, keys, drawn)
+    if not found.all():  # a set that reaches past the candidates
+        rest = (~found).nonzero()[:, 0]
+        drawn[rest] = among_all(scaled[rest], top_k[rest], top_p[rest], keys[rest])
+    tokens[index] = drawn
     return tokens
+
+
+def among_candidates(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, keys: torch.Tensor,
+                     drawn: torch.Tensor) -> torch.Tensor:
+    """Draws each row's token among its CANDIDATES most probable ones into drawn; returns
+    which rows' sets lie within them (the others' drawn entries mean nothing)."""
+    vocab = scaled.shape[-1]
+    n = min(CANDIDATES, vocab)
+    values, ids = torch.topk(scaled, n, dim=-1)
+    cut = ((top_k > 0) & (top_k < vocab))[:, None]  # a top_k that leaves tokens out
+    k = torch.where(cut[:, 0] & (top_k <= n), top_k, n)[:, None]
+    in_top_k = values >= values.gather(-1, k - 1)  # ties at the k-th stay in
+    # probabilities over the top-k set (over all tokens without one), as a softmax of it gives them
+    norm = torch.where(cut, torch.logsumexp(values.masked_fill(~in_top_k, float("-inf")), -1, keepdim=True),
+                       torch.logsumexp(scaled, dim=-1, keepdim=True))
+    probs = (values - norm).exp_().masked_fill_(~in_top_k, 0.0)
+    least = probs.gather(-1, top_p_count(probs, top_p) - 1)
+    # outside the candidates every token is at most as probable as the last one: the set lies
+    # within them if that one is out of it, by top-p or by a top_k of at most n
+    outside = torch.where(~in_top_k[:, -1:], 0.0, probs[:, -1:])
+    found = ((outside < least) & ~(cut & (top_k[:, None] > n)))[:, 0] | (n == vocab)
+    drawn.copy_(race(probs.masked_fill(probs < least, 0.0), ids, keys))
+    return found
+
+
+def among_all(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Each row's token drawn among the whole vocabulary."""
+    if (top_k > 0).any():
+        scaled = top_k_filter(scaled, top_k)
+    probs = torch.softmax(scaled, dim=-1)
+    least = torch.zeros_like(top_p)  # top_p 1: every token
+    if (top_p < 1).any():
+        probs_sort = torch.sort(probs, dim=-1, descending=True).values
+        least = torch.where(top_p < 1, probs_sort.gather(-1, top_p_count(probs_sort, top_p) - 1), least)
+    ids = torch.arange(scaled.shape[-1], device=scaled.device).expand(len(scaled), -1)
+    return race(probs.masked_fill(probs < least, 0.0), ids, keys)
+
+
+def race(kept: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The token (of ids) whose kept probability over its draw is the largest, per row."""
+    q = race_draws(keys, ids)
+    # masked after dividing: a probability of 0 is out, whatever its draw
+    return ids.gather(-1, (kept.double() / q).masked_fill_(kept == 0, -1.0).argmax(dim=-1, keepdim=True))[:, 0]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[list[float], list[list]]:

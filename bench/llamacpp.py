@@ -10,7 +10,7 @@ model. Ours serves Q4_1 with QUANT=int4, Q8_0 with QUANT=int8 (both keep the fil
 and F32 unquantized. Measured, one after the other, nothing else running:
 
 - decode: tokens/s of 128 tokens at batch 1 (llama-bench tg128; ours: the engine's steps after
-  the first token, greedy, EOS ignored), at 1 and 2 threads;
+  the first token, greedy, EOS ignored, eager and with the decode step compiled), at 1 and 2 threads;
 - prefill: tokens/s of a 512-token prompt (llama-bench pp512; ours: one forward pass);
 - perplexity: llama-perplexity's method (chunks of --ctx tokens, the second half of each scored)
   on the same text, by llama-perplexity and by ours;
@@ -136,9 +136,11 @@ def measure(part: str, path: str, quant: str, threads: int, *args):
     torch.set_num_threads(threads)
     from llama2 import tp_llama
 
-    ctx = int(args[0]) if args else 512
+    ctx = int(args[0]) if part == "perplexity" else 512
     llama = tp_llama(None, path, path, 1, max_batch_size=1, max_seq_len=max(ctx, 640),
                      quantization=None if quant == "None" else quant)
+    if part == "decode" and args and args[0] == "compiled":
+        llama.runner.compile_decode()
     print(json.dumps({"decode": decode_rate, "prefill": prefill_rate, "perplexity": perplexity}[part](llama, ctx)))
 
 
@@ -261,8 +263,10 @@ def main():
             lines.append(f"\n**{name}** (ours: QUANT={quant or 'none'})\n\n| measure | llama.cpp | ours | ratio |\n|---|---|---|---|")
             if "decode" in a.parts:
                 for t in sorted({1, a.threads}):
-                    lines.append(row(f"decode, batch 1, {t} thread{'s' * (t > 1)} (tokens/s)",
-                                     llama_bench(path, t, 0, NEW_TOKENS), ours("decode", path, quant, t)))
+                    theirs = llama_bench(path, t, 0, NEW_TOKENS)
+                    for how in ("eager", "compiled"):
+                        lines.append(row(f"decode, batch 1, {t} thread{'s' * (t > 1)}, ours {how} (tokens/s)",
+                                         theirs, ours("decode", path, quant, t, how)))
             if "prefill" in a.parts:
                 lines.append(row(f"prefill of 512 tokens, {a.threads} threads (tokens/s)",
                                  llama_bench(path, a.threads, 512, 0), ours("prefill", path, quant, a.threads)))

@@ -254,3 +254,24 @@ def test_seeded_draws_ignore_how_ties_sort():
              for sign in (1, -1)}
     assert picks[1] == picks[-1]
     assert len(set(picks[1])) > 20  # the draws do spread over the tied tokens
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, some_found", [
+    (0.7, 0, 0.9, True), (1.5, 40, 0.95, True), (0.5, 5, 1.0, True), (0.3, 1, 0.5, True), (2.0, 0, 0.98, True),
+    (1.0, 0, 1.0, False), (1.0, 100, 0.9, False)])
+def test_candidates_draw_what_the_whole_vocabulary_draws(temperature, top_k, top_p, some_found):
+    """The draw among the CANDIDATES most probable tokens gives each row the token that the
+    draw over all 4096 tokens gives with the same keys, wherever it finds the set within
+    them; rows whose set reaches past them (flat logits, top_p 1 without a top_k, a top_k
+    beyond the candidates) are left to the whole-vocabulary draw."""
+    gen = torch.Generator().manual_seed(int(temperature * 10 + top_k))
+    logits = torch.randn(64, 4096, generator=gen) * torch.linspace(0.2, 8, 64)[:, None]  # flat to peaked rows
+    scaled = logits / temperature
+    top_ks, top_ps = torch.full((64,), top_k), torch.full((64, 1), top_p)
+    keys = torch.randint(0, 2**32, (64, 2), generator=gen)
+    drawn = torch.empty(64, dtype=torch.long)
+    found = sampler.among_candidates(scaled, top_ks, top_ps, keys, drawn)
+    whole = sampler.among_all(scaled, top_ks, top_ps, keys)
+    assert torch.equal(drawn[found], whole[found])
+    # the flattest row's set reaches past the candidates, but for a top_k within them
+    assert found.any() == some_found and bool(found[0]) == (0 < top_k <= sampler.CANDIDATES)
