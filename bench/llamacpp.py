@@ -16,7 +16,10 @@ and F32 unquantized. Measured, one after the other, nothing else running:
   on the same text, by llama-perplexity and by ours;
 - serving: llama-server (-np 8) against TorchServe with our handler (TP=1), both on loopback,
   the same /v1/completions requests (16 prompts, 128 new tokens, EOS ignored), greedy and
-  sampled: one stream, then 8 clients at once; output tokens/s.
+  sampled: one stream, then 8 clients at once; output tokens/s;
+- transformers: its own GGUF loader's model (fp32) decoding the Q4_1 file's 128 tokens at
+  batch 1 (generate, greedy, EOS ignored) against ours from the same file, unquantized,
+  QUANT=int8 and QUANT=int4.
 
 Writes BENCHMARKS.md's llamacpp section (ratios ours / llama.cpp, and each side's command).
 """
@@ -144,6 +147,30 @@ def measure(part: str, path: str, quant: str, threads: int, *args):
     print(json.dumps({"decode": decode_rate, "prefill": prefill_rate, "perplexity": perplexity}[part](llama, ctx)))
 
 
+def transformers_rate(path: str, threads: int) -> float:
+    """transformers' decode tokens/s of NEW_TOKENS greedy tokens (its GGUF loader, fp32), in a
+    process of its own (the best of 3 generations after a warm-up)."""
+    code = f"""
+import json, os, time, torch
+torch.set_num_threads({threads})
+from transformers import AutoTokenizer, LlamaForCausalLM
+folder, name = os.path.split({path!r})
+tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+model = LlamaForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+ids = tok("Once upon a time", return_tensors="pt").input_ids
+kw = dict(max_new_tokens={NEW_TOKENS}, min_new_tokens={NEW_TOKENS}, do_sample=False)
+model.generate(ids, max_new_tokens=8, do_sample=False)
+times = []
+for _ in range(3):
+    start = time.perf_counter()
+    model.generate(ids, **kw)
+    times.append(time.perf_counter() - start)
+print(json.dumps({NEW_TOKENS} / min(times)))
+"""
+    out = run([sys.executable, "-c", code], env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def decode_rate(llama, _) -> float:
     """Tokens/s of NEW_TOKENS greedy tokens at batch 1, after the first (the prompt's step)."""
     from engine import Engine
@@ -196,12 +223,15 @@ def perplexity(llama, ctx: int) -> float:
 
 
 @contextlib.contextmanager
-def our_server(path: str, quant: str | None, threads: int):
+def our_server(path: str, quant: str | None, threads: int, compiled: bool):
+    """TorchServe with our handler serving path at TP=1; compiled: handler.compile, its
+    graphs in this user's inductor cache (as make serve's are across restarts)."""
     from local_server import start_server
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     with tempfile.TemporaryDirectory() as tmp:
-        handler = {"max_seq_len": 512} | ({"quantization": quant} if quant else {})
-        server = start_server(tmp, None, tp=1, batch_size=8, threads=threads,
+        handler = {"max_seq_len": 512, "compile": compiled} | ({"quantization": quant} if quant else {})
+        server = start_server(tmp, None, tp=1, batch_size=8, threads=threads, env={"TORCHINDUCTOR_CACHE_DIR": cache_dir()},
                               handler=handler | {"checkpoint": path, "tokenizer": path})
         try:
             yield server.url + "/predictions/llama/1.0/v1/completions", {"Authorization": f"Bearer {server.key}"}
@@ -228,9 +258,9 @@ def clients(url: str, headers: dict, concurrency: int, temperature: float) -> fl
     return tokens / (time.perf_counter() - start)
 
 
-def serving(path: str, quant: str | None, threads: int) -> dict:
+def serving(path: str, quant: str | None, threads: int, compiled: bool) -> dict:
     out = {}
-    for side, server in (("llama.cpp", llama_server(path, threads)), ("ours", our_server(path, quant, threads))):
+    for side, server in (("llama.cpp", llama_server(path, threads)), ("ours", our_server(path, quant, threads, compiled))):
         with server as (url, headers):
             for temperature in (0.0, 0.7):
                 for n in (1, 8):
@@ -248,8 +278,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--formats", nargs="+", default=["Q4_1", "Q8_0", "F32"], choices=list(QUANT))
-    ap.add_argument("--parts", nargs="+", default=["decode", "prefill", "perplexity", "serving"])
+    ap.add_argument("--parts", nargs="+", default=["decode", "prefill", "perplexity", "serving", "transformers"])
     ap.add_argument("--ctx", type=int, default=256, help="perplexity's chunk length")
+    ap.add_argument("--eager-server", action="store_true", help="serve without handler.compile")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--measure", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -275,19 +306,28 @@ def main():
                                  llama_perplexity(path, a.threads, a.ctx),
                                  ours("perplexity", path, quant, a.threads, a.ctx), 3))
             if "serving" in a.parts:
-                served = serving(path, quant, a.threads)
+                served = serving(path, quant, a.threads, not a.eager_server)
                 for temperature in (0.0, 0.7):
                     for n in (1, 8):
-                        what = f"server, {'one stream' if n == 1 else f'{n} clients'}, " \
+                        what = f"server{'' if a.eager_server else ' (ours compiled)'}, " \
+                               f"{'one stream' if n == 1 else f'{n} clients'}, " \
                                f"{'greedy' if temperature == 0 else f'temperature {temperature}'} (output tokens/s)"
                         lines.append(row(what, served["llama.cpp", temperature, n], served["ours", temperature, n]))
             print("\n".join(lines[-8:]), flush=True)
+        if "transformers" in a.parts:
+            theirs = transformers_rate(SMOLLM2, a.threads)
+            lines.append(f"\n**Against transformers** (the Q4_1 file; transformers: its GGUF loader, fp32; "
+                         f"{a.threads} threads, batch 1, {NEW_TOKENS} tokens)\n\n| ours | transformers (tokens/s) | "
+                         f"ours (tokens/s) | ratio |\n|---|---|---|---|")
+            for quant in (None, "int8", "int4"):
+                lines.append(row(f"QUANT={quant or 'none'}", theirs, ours("decode", SMOLLM2, quant, a.threads, "eager")))
+            print("\n".join(lines[-5:]), flush=True)
     text = (f"{report.header()}; `python bench/llamacpp.py {' '.join(sys.argv[1:])}` at "
             f"{report_revision()}.\n\nllama.cpp: `llama-bench -m FILE -t T -p 0 -n 128` (decode), `-p 512 -n 0` "
             f"(prefill), `llama-perplexity -m FILE -f {os.path.relpath(TEXT, ROOT)} -c {a.ctx} -b {a.ctx}`, "
             f"`llama-server -m FILE -t {a.threads} -np 8 -c 4096`; built by `make llamacpp` (llama-cpp-python 0.3.36's "
             "vendored llama.cpp, GGML_NATIVE). Ours: the engine in-process (decode, prefill, perplexity) and "
-            f"TorchServe with our handler at TP=1, {a.threads} threads (serving).\n" + "\n".join(lines))
+            f"TorchServe with our handler at TP=1, {a.threads} threads, batchSize 8 (serving).\n" + "\n".join(lines))
     report.publish("llamacpp", text, write=not a.no_write)
 
 
