@@ -65,11 +65,12 @@ def formats(names: list[str], folder: str) -> dict[str, str]:
     return {name: files[name] for name in names}
 
 
-def run(cmd: list[str], env: dict | None = None) -> str:
+def run(cmd: list[str], env: dict | None = None, stderr: bool = False) -> str:
+    """What cmd prints (with its stderr, where llama.cpp's tools report)."""
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-    return done.stdout + done.stderr
+    return done.stdout + (done.stderr if stderr else "")
 
 
 # --- llama.cpp ------------------------------------------------------------------------------
@@ -83,7 +84,7 @@ def llama_bench(path: str, threads: int, prompt: int, new: int) -> float:
 
 def llama_perplexity(path: str, threads: int, ctx: int) -> float:
     out = run([os.path.join(BIN, "llama-perplexity"), "-m", path, "-f", TEXT, "-c", str(ctx), "-b", str(ctx),
-               "-t", str(threads)])
+               "-t", str(threads)], stderr=True)
     return float(re.search(r"Final estimate: PPL = ([0-9.]+)", out)[1])
 
 
