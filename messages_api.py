@@ -72,10 +72,11 @@ def dialog(body: dict, limits: Limits) -> list:
         raise RequestError("messages must be a non-empty list of messages", "messages")
     for i, msg in enumerate(given):
         where = f"messages[{i}]"
-        if not isinstance(msg, dict) or msg.get("role") not in BLOCKS or set(msg) != {"role", "content"}:
+        role = msg.get("role") if isinstance(msg, dict) else None
+        if not isinstance(role, str) or role not in BLOCKS or set(msg) != {"role", "content"}:
             raise RequestError(f'{where} must be an object with "role" (user or assistant) and "content", and '
                                "nothing else", "messages")
-        role, content = msg["role"], msg["content"]
+        content = msg["content"]
         if isinstance(content, str):
             messages.append({"role": role, "content": content})
             continue

@@ -169,14 +169,14 @@ def test_min_tokens_never_leaves_no_token(llama):
 
 
 def test_n_choices_each_with_its_own_matcher(engine):
-    body = {"prompt": "He said", "n": 4, "seed": 11, "temperature": 1.0, "top_p": 1.0, "max_tokens": 20,
+    body = {"prompt": "He said", "n": 8, "seed": 11, "temperature": 1.0, "top_p": 1.0, "max_tokens": 20,
             "guided_choice": CHOICES}
     req = openai_api.parse("completions", body, "llama", Limits(), Defaults(), engine.matcher)
     prompts = api.sequences(req, engine.tokenizer, engine.max_seq_len, Limits(), Defaults())
     seqs = [engine.add(tokens, p) for tokens, p in prompts]
     while engine.running:
         engine.step()
-    assert len({id(seq.matcher) for seq in seqs}) == 4
+    assert len({id(seq.matcher) for seq in seqs}) == 8
     texts = [seq.text for seq in seqs]
     assert set(texts) <= set(CHOICES) and len(set(texts)) > 1, texts
 

@@ -248,6 +248,7 @@ REFUSED = [
     ("messages", {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "messages",
      'got type "image"'),
     ("messages", {"messages": [{"role": "system", "content": "x"}]}, 400, "messages", "user or assistant"),
+    ("messages", {"messages": [{"role": [], "content": ""}]}, 400, "messages", "user or assistant"),
     ("messages", {"messages": MESSAGES + [{"role": "assistant", "content": "Go"}]}, 400, "messages",
      "must end with a user"),  # a prefill
     ("messages", {"stop_sequences": ["a"] * 17}, 400, "stop_sequences", "at most 16"),
