@@ -55,9 +55,9 @@ class InFlight:
             return error_message(fmt, e)
         except (KeyboardInterrupt, SystemExit):
             raise
-        except BaseException as e:  # a bug must cost one request, never the worker
+        except BaseException:  # a bug must cost one request, never the worker
             logger.exception("cannot read request %s", req_id)
-            return error_message(fmt, RequestError(f"internal error: {type(e).__name__}: {e}", None, status=500))
+            return error_message(fmt, internal_error(req_id))
 
     def answer_at_once(self, route: str, raw) -> dict:
         if route == "models":
@@ -97,14 +97,18 @@ class InFlight:
         job.seqs = [self.engine.add(tokens, params) for tokens, params in prompts]
         self.jobs[req_id] = job
 
-    def fail_running(self, error: Exception):
-        """After a failed step: the requests with a sequence in it fail, and free their blocks."""
-        failed = set(self.engine.scheduler.running)
-        for job in self.jobs.values():
-            if failed.intersection(job.seqs):
-                job.error = RequestError(f"internal error: {error}", None, status=500)
-                for seq in job.seqs:
-                    self.engine.release(seq)
+    def in_step(self) -> list[str]:
+        """The requests with a sequence in the engine's step: every running one."""
+        running = set(self.engine.scheduler.running)
+        return [req_id for req_id, job in self.jobs.items() if running.intersection(job.seqs)]
+
+    def fail(self, req_ids: list[str]):
+        """After a failed step: these requests (in_step's) fail, and free their blocks."""
+        for req_id in req_ids:
+            job = self.jobs[req_id]
+            job.error = internal_error(req_id)
+            for seq in job.seqs:
+                self.engine.release(seq)
 
     def note_first_tokens(self, now: float):
         for job in self.jobs.values():
@@ -133,9 +137,9 @@ class InFlight:
             return self.message(job)
         except (KeyboardInterrupt, SystemExit):
             raise
-        except BaseException as e:
+        except BaseException:
             logger.exception("cannot answer request %s", req_id)
-            job.error = RequestError(f"internal error: {type(e).__name__}: {e}", None, status=500)
+            job.error = internal_error(req_id)
             return self.message(job)
 
     def message(self, job: Job) -> Message | None:
@@ -184,6 +188,13 @@ def request_body(raw):
         raise RequestError("no JSON body found: send one with Content-Type: application/json "
                            "(curl: -H 'Content-Type: application/json')", "body", status=415)
     return raw
+
+
+def internal_error(req_id: str) -> RequestError:
+    """A 500 for what went wrong inside the server: the request id that its log lines name,
+    and nothing of the exception, which is the server's business."""
+    return RequestError(f"internal error; the server's log has the details under request id {req_id}", None,
+                        status=500)
 
 
 def error_message(fmt: Format, err: RequestError) -> Message:
