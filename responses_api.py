@@ -140,7 +140,8 @@ def text_format(text, matcher) -> Constraint | None:
         raise RequestError('text.format must be {"type": "text"}, {"type": "json_object"} or {"type": '
                            '"json_schema", "name": ..., "schema": {...}}', "text")
     constraint = Constraint("json_schema", spec["schema"])
-    constraint_fields.check_compiles(constraint, matcher, "text.format.schema is not a valid JSON schema", "text")
+    problem = f"text.format.schema {constraint_fields.PROBLEM['json_schema']}"
+    constraint_fields.check_compiles(constraint, matcher, problem, "text")
     return constraint
 
 

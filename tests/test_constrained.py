@@ -271,14 +271,14 @@ def test_fields_give_the_constraint(engine, route, fields, constraint):
 
 REFUSED = [  # (route, body fields, param, what the message says)
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "strin"}}}},
-     "response_format", r"^response_format\.json_schema\.schema is not a valid JSON schema: Invalid type: strin"),
+     "response_format", r"^response_format\.json_schema\.schema is not a JSON schema that can be enforced: Invalid type: strin"),
     ("completions", {"guided_regex": "(ab"}, "guided_regex",
      r"^guided_regex is not a valid regular expression: .*unclosed group"),
     ("chat", {"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs",
      r"^structured_outputs\.grammar is not a valid grammar: .*unknown name"),
     ("completions", {"structured_outputs": {"json": {"type": "integer", "minimum": 5, "maximum": 2}}},
-     "structured_outputs", r"^structured_outputs\.json is not a valid JSON schema: .*minimum .* greater than maximum"),
-    ("completions", {"guided_json": "{not json"}, "guided_json", r"^guided_json is not a valid JSON schema: not JSON"),
+     "structured_outputs", r"^structured_outputs\.json is not a JSON schema that can be enforced: .*minimum .* greater than maximum"),
+    ("completions", {"guided_json": "{not json"}, "guided_json", r"^guided_json is not a JSON schema that can be enforced: not JSON"),
     ("chat", {"guided_choice": []}, "guided_choice",
      r"^guided_choice is not a valid list of choices: expected a non-empty list of strings$"),
     ("chat", {"guided_regex": 5}, "guided_regex",
