@@ -68,6 +68,7 @@ class Request:
 @dataclass
 class Job:
     """One request in flight."""
+    req_id: str  # TorchServe's
     request: Request
     http: bool  # HTTP (not gRPC): a one-message answer must not carry the stream header
     prompts: list[tuple[list[int], SamplingParams]]
@@ -432,8 +433,11 @@ class Message(NamedTuple):
 @runtime_checkable
 class Format(Protocol):
     """An API's answers, by module: native_api, openai_api, responses_api and messages_api
-    implement it. error_tail ends a stream that began: req and meta are its request's."""
+    implement it. error_tail ends a stream that began: req and meta are its request's.
+    CHOICE_ERRORS: whether a choice may end with finish_reason "error" (its grammar broke);
+    in an API without, the request fails (error, error_tail)."""
     STREAM_TYPE: str
+    CHOICE_ERRORS: bool
 
     def answer(self, req: Request, seqs: list[Sequence], tokenizer, meta: dict) -> dict | list: ...
 

@@ -282,6 +282,7 @@ def sse(event: dict) -> str:
 
 
 STREAM_TYPE = "text/event-stream"
+CHOICE_ERRORS = False  # a request whose grammar broke fails: no finish reason says so
 
 
 def content_of(req: Request) -> Content:

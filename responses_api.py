@@ -304,6 +304,7 @@ def sse(event: dict) -> str:
 
 
 STREAM_TYPE = "text/event-stream"
+CHOICE_ERRORS = False  # a request whose grammar broke fails: no finish reason says so
 
 
 def chunk(req: Request, meta: dict, index: int, text: str, first: bool) -> str:

@@ -33,6 +33,7 @@ class InFlight:
         self.engine, self.tokenizer, self.max_seq_len = engine, engine.tokenizer, engine.max_seq_len
         self.limits, self.defaults, self.model_name = limits, defaults, model_name
         self.created = int(time.time())
+        self.rank0 = os.environ.get("RANK", "0") == "0"
         self.jobs: dict[str, Job] = {}  # by TorchServe request id
 
     def read(self, req_id: str, path: str, raw) -> tuple | Message:
@@ -93,7 +94,7 @@ class InFlight:
     def admit(self, req_id: str, spec: tuple, http: bool):
         """Queue the sequences of a request that read gave spec for."""
         request, prompts, meta = spec
-        job = Job(request, http, prompts, meta)
+        job = Job(req_id, request, http, prompts, meta)
         job.seqs = [self.engine.add(tokens, params) for tokens, params in prompts]
         self.jobs[req_id] = job
 
@@ -122,6 +123,10 @@ class InFlight:
             return
         for seq in job.seqs:
             self.engine.release(seq)
+        for i, seq in enumerate(job.seqs):
+            if seq.finish_reason == "error" and self.rank0:  # rank 0's matchers compute masks: it knows why
+                logger.error("request %s: sequence %d's grammar broke after %d tokens: %s", req_id, i,
+                             len(seq.tokens), grammar_error(seq))
         # every rank logs this line: the tests compare the ranks' sequence ids, tokens and
         # scheduling decisions (block tables included) so far
         tokens = [s.tokens for s in job.seqs]
@@ -153,6 +158,9 @@ class InFlight:
         if not any(s.tokens or s.done for s in job.seqs):
             return None  # its prompts are waiting or being prefilled
         done = all(s.done for s in job.seqs)
+        if done and not fmt.CHOICE_ERRORS and any(s.finish_reason == "error" for s in job.seqs):
+            job.error = broken_grammar(job)
+            return self.message(job)
         if not req.stream:
             if not done:
                 return None
@@ -194,6 +202,20 @@ def internal_error(req_id: str) -> RequestError:
     """A 500 for what went wrong inside the server: the request id that its log lines name,
     and nothing of the exception, which is the server's business."""
     return RequestError(f"internal error; the server's log has the details under request id {req_id}", None,
+                        status=500)
+
+
+def grammar_error(seq) -> str:
+    """Why seq's grammar broke, as llguidance says it (first line)."""
+    lines = seq.matcher.error().replace("<non-verbose/>", "").strip().splitlines()
+    return lines[0] if lines else "a token it refuses"
+
+
+def broken_grammar(job: Job) -> RequestError:
+    """The error of a request whose sequence's grammar broke, in an API whose answers cannot say so."""
+    seq = next(s for s in job.seqs if s.finish_reason == "error")
+    return RequestError(f"the answer broke off after {len(seq.tokens)} tokens: its constraint failed "
+                        f"({grammar_error(seq)}); the server's log has it under request id {job.req_id}", None,
                         status=500)
 
 
