@@ -5,11 +5,13 @@ is a RequestError that names the field; it goes out as a 4xx."""
 
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import chat_format
+import json_nesting
 from sequence import SamplingParams, Sequence
 
 
@@ -66,6 +68,7 @@ class Request:
 @dataclass
 class Job:
     """One request in flight."""
+    req_id: str  # TorchServe's
     request: Request
     http: bool  # HTTP (not gRPC): a one-message answer must not carry the stream header
     prompts: list[tuple[list[int], SamplingParams]]
@@ -80,9 +83,10 @@ class Job:
 def read_body(raw, limits: Limits):
     """The JSON value of a request body as TorchServe hands it over: bytes (the handler turns
     TorchServe's JSON decoding off, so that the size limit and strict parsing see every
-    body), a str, or a JSON value TorchServe decoded already."""
+    body), a str, or a JSON value TorchServe decoded already. Nested deeper than
+    json_nesting.MAX_DEPTH, it is refused, naming where."""
     if raw is not None and not isinstance(raw, (str, bytes, bytearray)):
-        return check_text(raw)
+        return check_text(checked_nesting(json_nesting.check, raw))
     if raw is None or len(raw) == 0:
         raise RequestError("the request body is empty; send a JSON object", "body")
     if len(raw) > limits.max_body_bytes:
@@ -92,12 +96,29 @@ def read_body(raw, limits: Limits):
         try:
             raw = bytes(raw).decode("utf-8")
         except UnicodeDecodeError as e:
-            raise RequestError(f"the request body is not valid UTF-8: {e}", "body") from None
+            raise RequestError(f"the request body is not valid UTF-8: byte 0x{e.object[e.start]:02x} at offset "
+                               f"{e.start}", "body") from None
     try:
-        value = json.loads(raw, parse_constant=reject_constant)
-    except (ValueError, RecursionError) as e:
+        value = checked_nesting(json_nesting.loads, raw, parse_constant=reject_constant)
+    except json.JSONDecodeError as e:
+        raise RequestError(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                           "body") from None
+    except NotANumber as e:
         raise RequestError(f"the request body is not valid JSON: {e}", "body") from None
+    except ValueError:  # what else json.loads raises: Python's limit on the digits of an integer
+        raise RequestError(f"the request body is not valid JSON for this server: it has an integer of more than "
+                           f"{sys.get_int_max_str_digits()} digits", "body") from None
     return check_text(value)
+
+
+def checked_nesting(read, value, **options):
+    """read(value, **options) (json_nesting's check or loads), its TooDeep a RequestError
+    naming the top-level field it is in."""
+    try:
+        return read(value, **options)
+    except json_nesting.TooDeep as e:
+        field = e.path[0] if e.path and isinstance(e.path[0], str) else "body"
+        raise RequestError(e.describe("the request body"), field) from None
 
 
 def check_text(value, where: str = "the request body", param: str = "body"):
@@ -108,13 +129,15 @@ def check_text(value, where: str = "the request body", param: str = "body"):
     except UnicodeEncodeError:
         raise RequestError(f"{where} holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), "
                            "which is not text", param) from None
-    except RecursionError:
-        raise RequestError(f"{where} is nested too deeply", param) from None
     return value
 
 
+class NotANumber(ValueError):
+    pass
+
+
 def reject_constant(name):
-    raise ValueError(f"{name} is not a JSON number")
+    raise NotANumber(f"{name} is not a JSON number")
 
 
 # --- field validators: each returns the value or raises RequestError naming the field ----
@@ -410,8 +433,11 @@ class Message(NamedTuple):
 @runtime_checkable
 class Format(Protocol):
     """An API's answers, by module: native_api, openai_api, responses_api and messages_api
-    implement it. error_tail ends a stream that began: req and meta are its request's."""
+    implement it. error_tail ends a stream that began: req and meta are its request's.
+    CHOICE_ERRORS: whether a choice may end with finish_reason "error" (its grammar broke);
+    in an API without, the request fails (error, error_tail)."""
     STREAM_TYPE: str
+    CHOICE_ERRORS: bool
 
     def answer(self, req: Request, seqs: list[Sequence], tokenizer, meta: dict) -> dict | list: ...
 

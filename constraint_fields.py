@@ -12,8 +12,10 @@ from structured import Constraint
 STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 GUIDED_FIELDS = tuple(f"guided_{key}" for key in STRUCTURED_KINDS)
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")  # OpenAI's response_format types
-WHAT = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regular expression",
-        "choice": "list of choices", "grammar": "grammar"}
+# what is wrong with a field's constraint that does not compile (llguidance's reason follows)
+PROBLEM = {"json_schema": "is not a JSON schema that can be enforced", "json_object": "is not a valid JSON object",
+           "regex": "is not a valid regular expression", "choice": "is not a valid list of choices",
+           "grammar": "is not a valid grammar"}
 
 
 def get_constraint(body: dict, names: tuple[str, ...], matcher: Callable | None) -> Constraint | None:
@@ -29,7 +31,7 @@ def get_constraint(body: dict, names: tuple[str, ...], matcher: Callable | None)
     if not given:
         return None
     name, (path, constraint) = given.popitem()
-    check_compiles(constraint, matcher, f"{path} is not a valid {WHAT[constraint.kind]}", name)
+    check_compiles(constraint, matcher, f"{path} {PROBLEM[constraint.kind]}", name)
     return constraint
 
 

@@ -189,9 +189,10 @@ class LlamaHandler(BaseHandler):
         try:
             result = self.engine.wait()
         except Exception as e:
-            logger.exception("engine step failed")
+            failed = self.requests.in_step()
+            logger.exception("engine step failed; requests in it: %s", ", ".join(failed))
             ranks.exit_if_broken(e, self.engine.device)
-            self.requests.fail_running(e)
+            self.requests.fail(failed)
             return
         if result is None:
             return

@@ -137,8 +137,8 @@ def output_format(config, matcher) -> Constraint | None:
     if not (isinstance(spec, dict) and spec.get("type") == "json_schema" and spec.get("schema") is not None):
         raise RequestError('output_config.format must be {"type": "json_schema", "schema": {...}}', "output_config")
     constraint = Constraint("json_schema", spec["schema"])
-    constraint_fields.check_compiles(constraint, matcher, "output_config.format.schema is not a valid JSON schema",
-                                     "output_config")
+    problem = f"output_config.format.schema {constraint_fields.PROBLEM['json_schema']}"
+    constraint_fields.check_compiles(constraint, matcher, problem, "output_config")
     return constraint
 
 
@@ -283,6 +283,7 @@ def sse(event: dict) -> str:
 
 
 STREAM_TYPE = "text/event-stream"
+CHOICE_ERRORS = False  # a request whose grammar broke fails: no finish reason says so
 
 
 def content_of(req: Request) -> Content:

@@ -46,6 +46,7 @@ def parse(body, limits: Limits, defaults: Defaults, matcher=None) -> Request:
 
 
 STREAM_TYPE = "application/jsonl"  # one JSON object per line
+CHOICE_ERRORS = True  # a choice whose grammar broke ends with finish_reason "error"
 
 
 def answer(req: Request, seqs: list[Sequence], tokenizer, meta: dict) -> dict | list:

@@ -223,6 +223,7 @@ def chunk(req: Request, meta: dict, index: int, text: str, first: bool, finish_r
 
 
 STREAM_TYPE = "text/event-stream"
+CHOICE_ERRORS = True  # a choice whose grammar broke ends with finish_reason "error"
 
 
 def tool_stream(req: Request, index: int) -> tool_calls.ToolCallStream:

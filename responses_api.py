@@ -140,7 +140,8 @@ def text_format(text, matcher) -> Constraint | None:
         raise RequestError('text.format must be {"type": "text"}, {"type": "json_object"} or {"type": '
                            '"json_schema", "name": ..., "schema": {...}}', "text")
     constraint = Constraint("json_schema", spec["schema"])
-    constraint_fields.check_compiles(constraint, matcher, "text.format.schema is not a valid JSON schema", "text")
+    problem = f"text.format.schema {constraint_fields.PROBLEM['json_schema']}"
+    constraint_fields.check_compiles(constraint, matcher, problem, "text")
     return constraint
 
 
@@ -303,6 +304,7 @@ def sse(event: dict) -> str:
 
 
 STREAM_TYPE = "text/event-stream"
+CHOICE_ERRORS = False  # a request whose grammar broke fails: no finish reason says so
 
 
 def chunk(req: Request, meta: dict, index: int, text: str, first: bool) -> str:

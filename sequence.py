@@ -56,7 +56,7 @@ class Sequence:
     prompt_top_logprobs: list[list] = field(default_factory=list)
     stream: TextStream | None = None  # turns tokens into text (set by Engine.add)
     text: str = ""  # the generation's text so far, cut before a stop string
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop", "length", or "error": its grammar broke (grammar_broke)
     emitted: int = 0  # characters of text already handed out by new_text()
     stop_ends: "StopEnds | None" = None  # how much of each stop string text ends in
     # sampling state (set by Engine.add): the ids that end it, and (vocab,) tensors where
@@ -112,7 +112,7 @@ class Sequence:
         offset = len(self.text)  # where its text starts (a character it ends is held back until then)
         if token in self.stop_ids:
             self.stop_token = token
-            self.finish("stop")
+            self.finish("error" if self.grammar_broke() else "stop")
             offset = len(self.text)  # it adds no text
         else:
             self.tokens.append(token)
@@ -120,12 +120,11 @@ class Sequence:
                 self.counts[token] += 1
                 self.seen[token] = True
             self.add_text(self.stream.add(token))
-            complete = False
-            if self.matcher is not None:  # on every rank: they agree on when the grammar is finished
-                self.matcher.consume(token)
-                complete = self.matcher.is_finished()
-            if complete:
-                self.finish("stop")  # nothing but a stop id could follow
+            # every rank's matcher consumes the token: they agree on when the grammar ends
+            if self.matcher is not None and not self.matcher.consume(token):
+                self.finish("error")  # a token the grammar refuses, or a limit of its parser reached
+            elif self.matcher is not None and self.matcher.is_finished():
+                self.finish("stop")  # complete: nothing but a stop id could follow
             elif len(self.tokens) >= self.params.max_gen_len:
                 self.finish("length")
         if logprob is not None:
@@ -140,6 +139,11 @@ class Sequence:
             self.add_text(self.stream.flush())
         if not self.done:
             self.finish_reason = reason
+
+    def grammar_broke(self) -> bool:
+        """Whether its grammar failed: a parser limit reached while computing its mask (rank
+        0's, which then allows stop ids alone), or a token refused."""
+        return self.matcher is not None and bool(self.matcher.error())
 
     @property
     def sampled(self) -> list[int]:

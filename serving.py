@@ -33,6 +33,7 @@ class InFlight:
         self.engine, self.tokenizer, self.max_seq_len = engine, engine.tokenizer, engine.max_seq_len
         self.limits, self.defaults, self.model_name = limits, defaults, model_name
         self.created = int(time.time())
+        self.rank0 = os.environ.get("RANK", "0") == "0"
         self.jobs: dict[str, Job] = {}  # by TorchServe request id
 
     def read(self, req_id: str, path: str, raw) -> tuple | Message:
@@ -55,9 +56,9 @@ class InFlight:
             return error_message(fmt, e)
         except (KeyboardInterrupt, SystemExit):
             raise
-        except BaseException as e:  # a bug must cost one request, never the worker
+        except BaseException:  # a bug must cost one request, never the worker
             logger.exception("cannot read request %s", req_id)
-            return error_message(fmt, RequestError(f"internal error: {type(e).__name__}: {e}", None, status=500))
+            return error_message(fmt, internal_error(req_id))
 
     def answer_at_once(self, route: str, raw) -> dict:
         if route == "models":
@@ -93,18 +94,22 @@ class InFlight:
     def admit(self, req_id: str, spec: tuple, http: bool):
         """Queue the sequences of a request that read gave spec for."""
         request, prompts, meta = spec
-        job = Job(request, http, prompts, meta)
+        job = Job(req_id, request, http, prompts, meta)
         job.seqs = [self.engine.add(tokens, params) for tokens, params in prompts]
         self.jobs[req_id] = job
 
-    def fail_running(self, error: Exception):
-        """After a failed step: the requests with a sequence in it fail, and free their blocks."""
-        failed = set(self.engine.scheduler.running)
-        for job in self.jobs.values():
-            if failed.intersection(job.seqs):
-                job.error = RequestError(f"internal error: {error}", None, status=500)
-                for seq in job.seqs:
-                    self.engine.release(seq)
+    def in_step(self) -> list[str]:
+        """The requests with a sequence in the engine's step: every running one."""
+        running = set(self.engine.scheduler.running)
+        return [req_id for req_id, job in self.jobs.items() if running.intersection(job.seqs)]
+
+    def fail(self, req_ids: list[str]):
+        """After a failed step: these requests (in_step's) fail, and free their blocks."""
+        for req_id in req_ids:
+            job = self.jobs[req_id]
+            job.error = internal_error(req_id)
+            for seq in job.seqs:
+                self.engine.release(seq)
 
     def note_first_tokens(self, now: float):
         for job in self.jobs.values():
@@ -118,6 +123,10 @@ class InFlight:
             return
         for seq in job.seqs:
             self.engine.release(seq)
+        for i, seq in enumerate(job.seqs):
+            if seq.finish_reason == "error" and self.rank0:  # rank 0's matchers compute masks: it knows why
+                logger.error("request %s: sequence %d's grammar broke after %d tokens: %s", req_id, i,
+                             len(seq.tokens), grammar_error(seq))
         # every rank logs this line: the tests compare the ranks' sequence ids, tokens and
         # scheduling decisions (block tables included) so far
         tokens = [s.tokens for s in job.seqs]
@@ -133,9 +142,9 @@ class InFlight:
             return self.message(job)
         except (KeyboardInterrupt, SystemExit):
             raise
-        except BaseException as e:
+        except BaseException:
             logger.exception("cannot answer request %s", req_id)
-            job.error = RequestError(f"internal error: {type(e).__name__}: {e}", None, status=500)
+            job.error = internal_error(req_id)
             return self.message(job)
 
     def message(self, job: Job) -> Message | None:
@@ -149,6 +158,9 @@ class InFlight:
         if not any(s.tokens or s.done for s in job.seqs):
             return None  # its prompts are waiting or being prefilled
         done = all(s.done for s in job.seqs)
+        if done and not fmt.CHOICE_ERRORS and any(s.finish_reason == "error" for s in job.seqs):
+            job.error = broken_grammar(job)
+            return self.message(job)
         if not req.stream:
             if not done:
                 return None
@@ -184,6 +196,27 @@ def request_body(raw):
         raise RequestError("no JSON body found: send one with Content-Type: application/json "
                            "(curl: -H 'Content-Type: application/json')", "body", status=415)
     return raw
+
+
+def internal_error(req_id: str) -> RequestError:
+    """A 500 for what went wrong inside the server: the request id that its log lines name,
+    and nothing of the exception, which is the server's business."""
+    return RequestError(f"internal error; the server's log has the details under request id {req_id}", None,
+                        status=500)
+
+
+def grammar_error(seq) -> str:
+    """Why seq's grammar broke, as llguidance says it (first line)."""
+    lines = seq.matcher.error().replace("<non-verbose/>", "").strip().splitlines()
+    return lines[0] if lines else "a token it refuses"
+
+
+def broken_grammar(job: Job) -> RequestError:
+    """The error of a request whose sequence's grammar broke, in an API whose answers cannot say so."""
+    seq = next(s for s in job.seqs if s.finish_reason == "error")
+    return RequestError(f"the answer broke off after {len(seq.tokens)} tokens: its constraint failed "
+                        f"({grammar_error(seq)}); the server's log has it under request id {job.req_id}", None,
+                        status=500)
 
 
 def error_message(fmt: Format, err: RequestError) -> Message:

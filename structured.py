@@ -12,12 +12,15 @@ only where the grammar accepts, and once the grammar is finished nothing else is
 
 import functools
 import json
+import re
 from dataclasses import dataclass
 
 import torch
 from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer, TokenizerWrapper, grammar_from
 from llguidance.tiktoken import lltokenizer_from_encoding
 
+import json_nesting
+import schema_tightening
 from tokenizer import HFTokenizer, TiktokenTokenizer, Tokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -61,46 +64,18 @@ def grammar_text(constraint: Constraint) -> str:
 
 
 def schema_dict(schema) -> dict:
+    """The client's schema (a JSON object, or its text) as llguidance gets it: tightened
+    within what it accepts (schema_tightening). Raises ValueError saying what is wrong."""
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
+            schema = json_nesting.loads(schema)
+        except json_nesting.TooDeep as e:
+            raise ValueError(f"json_schema: {e.describe('the JSON text')}") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"json_schema: not JSON: {e}") from None
     if not isinstance(schema, dict):
         raise ValueError("json_schema: expected a JSON object")
-    return tightened(schema)
-
-
-SAFE_INTEGERS = (-(1 << 53) + 1, (1 << 53) - 1)  # what every JSON parser reads exactly (JavaScript's too)
-DECIMALS = 1e-9  # a number's finest step when its schema gives none
-VALUES = {"const", "enum", "default", "examples"}  # keys whose values are JSON values, not schemas
-OPEN = {"additionalProperties", "patternProperties", "unevaluatedProperties"}  # a schema's say on other keys
-
-
-def tightened(schema, closable: bool = True):
-    """schema as generation enforces it: a part of what it accepts, so that every answer
-    still meets the schema as given, without the freedom a model wanders off into until
-    max_tokens cuts the answer. Integers and numbers unbounded on a side are bounded there to
-    SAFE_INTEGERS, numbers without multipleOf get at most 9 decimals, and an object that
-    names its properties and says nothing of others takes no others (as vLLM's default
-    backend, xgrammar, does in its strict mode); but not the parts of an allOf, each of which
-    names only some of the properties."""
-    if isinstance(schema, list):
-        return [tightened(s, closable) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: v if k in VALUES else tightened(v, k != "allOf") for k, v in schema.items()}
-    kinds = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
-    if "integer" in kinds or "number" in kinds:
-        if "minimum" not in out and "exclusiveMinimum" not in out:
-            out["minimum"] = SAFE_INTEGERS[0]
-        if "maximum" not in out and "exclusiveMaximum" not in out:
-            out["maximum"] = SAFE_INTEGERS[1]
-    if "number" in kinds and "multipleOf" not in out:
-        out["multipleOf"] = DECIMALS
-    if closable and "object" in kinds and "properties" in out and not OPEN & out.keys():
-        out["additionalProperties"] = False
-    return out
+    return schema_tightening.tightened(schema)
 
 
 def text_value(kind: str, value) -> str:
@@ -138,8 +113,16 @@ def compiled(ll: LLTokenizer, grammar: str) -> LLMatcher:
     """A matcher at the start of grammar: the compiled grammar, which matchers copy."""
     matcher = LLMatcher(ll, grammar, log_level=0, limits=LIMITS)
     if matcher.is_error():
-        raise ValueError(matcher.get_error())
+        raise ValueError(UNIMPLEMENTED.sub(unsupported, matcher.get_error()))
     return matcher
+
+
+UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")  # llguidance's words for the keywords it lacks
+
+
+def unsupported(found: re.Match) -> str:
+    keywords = json.loads(found.group(1))
+    return f"unsupported keyword{'s' * (len(keywords) > 1)}: {', '.join(keywords)}"
 
 
 # llguidance's slices: tokens are split among these regexes (each to the first that matches it,

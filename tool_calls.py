@@ -19,10 +19,6 @@ NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: parameters left out
 TOOL_CHOICES = ("none", "auto", "required")
 JSON_SPACE = " \t\n\r"
-WS = f"[{JSON_SPACE}]*"
-# A call's start, up to the "{" of its arguments: where a streamed call is certain
-HEAD = re.compile(rf'\{{{WS}(?:"type"{WS}:{WS}"function"{WS},{WS})?"name"{WS}:{WS}"([^"\\]*)"{WS},{WS}'
-                  rf'"(?:parameters|arguments)"{WS}:{WS}(?=\{{)')
 SEPARATOR = re.compile(f"[{JSON_SPACE};]*")  # between calls
 
 
@@ -186,14 +182,15 @@ class ToolCallStream:
     """Tool calls told apart from content as the text of an answer arrives. add(piece) for
     each piece, then finish(); each returns chat.completion.chunk deltas: {"content": text},
     or {"tool_calls": [...]} with, for each call, first its index, id, type and name (and
-    arguments ""), then pieces of its arguments.
+    arguments ""), then its arguments.
 
     Text that may begin a call (<|python_tag|>, then "{" after blanks) is held until it
-    tells: a call is certain at the "{" of its arguments (after a tool's "name" and
-    "parameters" or "arguments"), whose text then streams as it comes; a call with its keys
-    in another order, once its object closes. Other text is content, at once. After the
-    calls (separated by blanks or ";"), text that is not another call is content too. The
-    deltas add up to the same calls and content however the text is cut."""
+    tells: an object is a call once it closes and is one (call_of: a tool's "name", an object
+    of "parameters" or "arguments", in any order), whole, so that arguments that are not
+    JSON, or cut off by max_tokens, are never a call; it is content otherwise. Other text is
+    content, at once. After the calls (separated by blanks or ";"), text that is not another
+    call is content too. The deltas add up to the same calls and content however the text is
+    cut."""
 
     def __init__(self, tools: list[dict]):
         self.names = {tool["function"]["name"] for tool in tools}
@@ -239,15 +236,7 @@ class ToolCallStream:
         return self.to_content(self.content_from)
 
     def object(self, final):
-        """An object that may be a call: certain at its arguments' "{", or once it closes."""
-        head = HEAD.match(self.text, self.at)
-        if head:
-            if head.group(1) not in self.names:
-                return self.not_a_call()
-            self.at = head.end()
-            self.extent = Extent(self.at)
-            self.state = self.arguments
-            return [self.new_call(head.group(1))]
+        """An object that may be a call, told once it closes (the text ending inside it: not one)."""
         end = self.extent.end(self.text)
         if end is None:
             return self.not_a_call() if final else None
@@ -257,29 +246,6 @@ class ToolCallStream:
         self.at = end
         self.state = self.between
         return [self.new_call(call[0]), self.arguments_delta(call[1])]
-
-    def arguments(self, final):
-        """The arguments' object, streamed as it comes (cut short if the text ends in it)."""
-        end = self.extent.end(self.text)
-        upto = len(self.text) if end is None else end
-        piece, self.at = self.text[self.at:upto], upto
-        if end is not None:
-            self.state = self.close
-        elif not piece:
-            return None
-        return [self.arguments_delta(piece)]
-
-    def close(self, final):
-        """The call's own "}" after its arguments."""
-        rest = self.text[self.at:]
-        body = rest.lstrip(JSON_SPACE)
-        if not body:
-            return None
-        if not body.startswith("}"):
-            return self.to_content(self.at)
-        self.at += len(rest) - len(body) + 1
-        self.state = self.between
-        return []
 
     def between(self, final):
         """After a call: blanks and ";", then another call or content."""
@@ -309,8 +275,8 @@ class ToolCallStream:
         return []
 
     def call_of(self, text: str) -> tuple[str, str] | None:
-        """(name, arguments) if text is an object of a tool's "name", an object of
-        "parameters" or "arguments", and at most "type": "function" besides."""
+        """(name, arguments as JSON text) if text is a JSON object of a tool's "name", an
+        object of "parameters" or "arguments", and at most "type": "function" besides."""
         value = json_object(text)
         if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in self.names:
             return None

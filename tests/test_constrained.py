@@ -13,11 +13,13 @@ import re
 import jsonschema
 import openai
 import pytest
+from llguidance import LLParserLimits
 
 import api
 import llama2
 import native_api
 import openai_api
+import structured
 from api import Defaults, Limits, RequestError
 from conftest import DEMO
 from engine import Engine
@@ -213,6 +215,95 @@ def test_preemption_keeps_the_grammar():
     assert all(re.fullmatch("[a-z ]+", s.text) for s in seqs)  # max_gen_len ends them inside the pattern
 
 
+# A schema whose pattern needs more lexer states than small_lexer allows: its grammar breaks
+# in the string, mid-answer, as a parser limit does (llguidance then allows stop ids alone)
+BREAKS = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                           "s": {"type": "string", "pattern": "^(a|b)*a(a|b){14}$"}},
+          "required": ["n", "s"], "additionalProperties": False}
+
+
+@pytest.fixture
+def small_lexer(monkeypatch):
+    structured.compiled.cache_clear()  # grammars compiled meanwhile are the small lexer's
+    monkeypatch.setattr(structured, "LIMITS", LLParserLimits(max_lexer_states=50, verbose_errors=False))
+    yield
+    structured.compiled.cache_clear()
+
+
+def test_a_grammar_that_breaks_mid_answer_ends_with_error(engine, small_lexer):
+    seq, = generate(engine, [(PROMPT, params(Constraint("json_schema", BREAKS), seed=0))])
+    assert seq.finish_reason == "error" and seq.grammar_broke(), seq.text
+    assert seq.stop_token in engine.tokenizer.stop_ids and seq.text.startswith('{"n": ')  # cut inside it
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(seq.text)
+
+
+def test_a_token_the_grammar_refuses_ends_with_error(engine):
+    tok = engine.tokenizer
+    seq = engine.add(tok.encode("Digits:", bos=True, eos=False), params(Constraint("regex", "[0-9]+")))
+    seven, = engine.vocabulary.ll.tokenize_str("7")
+    seq.append(seven)
+    assert not seq.done
+    seq.append(engine.vocabulary.ll.tokenize_str("x")[0])
+    assert seq.finish_reason == "error" and seq.grammar_broke()
+    engine.release(seq)
+
+
+BROKEN = "the answer broke off after \\d+ tokens: its constraint failed \\(lexer error: too many states: 50 >= 50\\); "
+FAILED_BY_API = [  # (route, body, what the client sees: in each API's own shape)
+    ("", {"prompt": PROMPT, "structured_outputs": {"json": BREAKS}}, "native"),
+    ("v1/completions", {"prompt": PROMPT, "guided_json": BREAKS, "stream": True}, "completions stream"),
+    ("v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}],
+                             "response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": BREAKS}}},
+     "chat"),
+    ("v1/responses", {"input": PROMPT, "text": {"format": {"type": "json_schema", "name": "b", "schema": BREAKS}}},
+     "responses"),
+    ("v1/responses", {"input": PROMPT, "stream": True,
+                      "text": {"format": {"type": "json_schema", "name": "b", "schema": BREAKS}}}, "responses stream"),
+    ("v1/messages", {"model": "llama", "max_tokens": 100, "messages": [{"role": "user", "content": PROMPT}],
+                     "output_config": {"format": {"type": "json_schema", "schema": BREAKS}}}, "messages"),
+    ("v1/messages", {"model": "llama", "max_tokens": 100, "messages": [{"role": "user", "content": PROMPT}],
+                     "stream": True, "output_config": {"format": {"type": "json_schema", "schema": BREAKS}}},
+     "messages stream"),
+]
+
+
+@pytest.mark.parametrize("path, body, seen", FAILED_BY_API, ids=[case[2] for case in FAILED_BY_API])
+def test_a_broken_grammar_is_an_error_the_client_sees_and_the_log_has_once(engine, small_lexer, caplog, path, body,
+                                                                            seen):
+    """finish_reason "error" where a choice can say it (native, OpenAI's completions and chat);
+    a 500, or the stream's error event, in the Responses and Messages APIs, which cannot."""
+    requests = InFlight(engine, Limits(), Defaults(), "llama")
+    spec = requests.read("rq-1", path, json.dumps(body | {"seed": 1, "temperature": 1.0}).encode())
+    requests.admit("rq-1", spec, http=True)
+    messages = []
+    while not messages or messages[-1].kind == "chunk":
+        engine.run(1)
+        messages += [m] if (m := requests.message(requests.jobs["rq-1"])) is not None else []
+    requests.forget("rq-1")
+    text = "".join(m.body for m in messages)
+    last = messages[-1]
+    if seen == "native":
+        assert last.status == 200 and json.loads(text)["finish_reason"] == "error"
+    elif seen == "completions stream":
+        chunks = [json.loads(line.removeprefix("data: ")) for line in text.split("\n\n") if line.startswith("data: {")]
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "error"
+    elif seen == "chat":
+        assert json.loads(text)["choices"][0]["finish_reason"] == "error"
+    elif seen in ("responses", "messages"):
+        error = json.loads(text)["error"]
+        assert last.status == 500 and re.fullmatch(BROKEN + "the server's log has it under request id rq-1",
+                                                   error["message"]), error
+    else:
+        name, data = last.body.strip().split("\n")[-2:]
+        data = json.loads(data.removeprefix("data: "))
+        error = data["response"]["error"] if seen == "responses stream" else data["error"]
+        assert name == ("event: response.failed" if seen == "responses stream" else "event: error"), last.body
+        assert re.match(BROKEN, error["message"]), error
+    logged = [r.getMessage() for r in caplog.records if "grammar broke" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].startswith("request rq-1: sequence 0's grammar broke after"), logged
+
+
 @pytest.mark.slow  # torchrun ranks
 def test_tp2_ranks_agree(llama, tmp_path):
     """At TP=2 rank 0 alone computes masks; every rank's matchers consume its tokens, so the
@@ -271,14 +362,14 @@ def test_fields_give_the_constraint(engine, route, fields, constraint):
 
 REFUSED = [  # (route, body fields, param, what the message says)
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "strin"}}}},
-     "response_format", r"^response_format\.json_schema\.schema is not a valid JSON schema: Invalid type: strin"),
+     "response_format", r"^response_format\.json_schema\.schema is not a JSON schema that can be enforced: Invalid type: strin"),
     ("completions", {"guided_regex": "(ab"}, "guided_regex",
      r"^guided_regex is not a valid regular expression: .*unclosed group"),
     ("chat", {"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs",
      r"^structured_outputs\.grammar is not a valid grammar: .*unknown name"),
     ("completions", {"structured_outputs": {"json": {"type": "integer", "minimum": 5, "maximum": 2}}},
-     "structured_outputs", r"^structured_outputs\.json is not a valid JSON schema: .*minimum .* greater than maximum"),
-    ("completions", {"guided_json": "{not json"}, "guided_json", r"^guided_json is not a valid JSON schema: not JSON"),
+     "structured_outputs", r"^structured_outputs\.json is not a JSON schema that can be enforced: .*minimum .* greater than maximum"),
+    ("completions", {"guided_json": "{not json"}, "guided_json", r"^guided_json is not a JSON schema that can be enforced: not JSON"),
     ("chat", {"guided_choice": []}, "guided_choice",
      r"^guided_choice is not a valid list of choices: expected a non-empty list of strings$"),
     ("chat", {"guided_regex": 5}, "guided_regex",

@@ -483,7 +483,8 @@ def test_failed_prefill_frees_its_blocks(demo_llama, monkeypatch):
 
     def job(body):
         req = native_api.parse(body, limits, DEFAULTS)
-        j = api.Job(req, True, api.sequences(req, demo_llama.tokenizer, engine.max_seq_len, limits, DEFAULTS), {})
+        prompts = api.sequences(req, demo_llama.tokenizer, engine.max_seq_len, limits, DEFAULTS)
+        j = api.Job("fuzz", req, True, prompts, {})
         j.seqs = [engine.add(tokens, params) for tokens, params in j.prompts]
         return j
 

@@ -238,7 +238,7 @@ REFUSED = [
     ("responses", {"tools": [RESPONSES_TOOL], "tool_choice": "required",
                    "text": {"format": {"type": "json_object"}}}, 400, "text", "cannot take a text.format"),
     ("responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, 400,
-     "text", "text.format.schema is not a valid JSON schema"),
+     "text", "text.format.schema is not a JSON schema that can be enforced"),
     ("responses", {"max_output_tokens": 100000}, 400, "max_output_tokens", "between 1 and 512"),
     ("responses", {"temperature": 3}, 400, "temperature", "temperature must be in"),
     ("messages", {"max_tokens": None}, 400, "max_tokens", "max_tokens is required"),

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import make_checkpoint
+import schema_tightening
 import structured
 from conftest import LLAMA3_RANKS, TOKENIZER, llama3_training_text
 from test_gguf_tokenizer import llama_bpe_metadata, write_gguf
@@ -250,7 +251,9 @@ def test_grammars(tokenizers, backend):
 BAD = [
     (Constraint("json_schema", {"type": "strin"}), "Invalid type: strin"),
     (Constraint("json_schema", {"type": "integer", "minimum": 5, "maximum": 2}), "minimum .* greater than maximum"),
-    (Constraint("json_schema", {"$ref": "#/$defs/missing"}), "does not exist"),
+    (Constraint("json_schema", {"$ref": "#/$defs/missing"}), "\\$ref .#/\\$defs/missing. leads nowhere"),
+    (Constraint("json_schema", {"$ref": "https://example.com/a.json"}), "references to other documents are not"),
+    (Constraint("json_schema", {"type": "object", "properties": {"a": {"not": {}}}}), "unsupported keyword: not"),
     (Constraint("json_schema", {"type": "string", "pattern": "(?=a)b"}), "look-around"),
     (Constraint("json_schema", {"type": "string", "format": "shoe-size"}), "Unknown format"),
     (Constraint("json_schema", "{not json"), "not JSON"),
@@ -350,23 +353,69 @@ def test_a_bitmask_must_be_what_llguidance_writes_into(tokenizers):
         matcher.fill_bitmask(structured.new_bitmask(1, tok.n_words), 0)  # without the padding rows
 
 
-def test_schemas_are_tightened_within_what_they_accept():
-    """An integer or number the schema leaves unbounded is bounded to JavaScript's safe
-    integers, a number without multipleOf to 9 decimals, an object that names its properties
-    and says nothing of others is closed (else a model may write digits or keys until
-    max_tokens); JSON values inside const and enum stay as given, and so do allOf's parts."""
-    safe = structured.SAFE_INTEGERS
-    part = {"type": "object", "properties": {"b": {"type": "boolean"}}}
-    schema = {"type": "object", "properties": {
-        "i": {"type": "integer", "minimum": 3}, "x": {"type": ["number", "null"]},
-        "c": {"const": {"type": "integer"}}, "e": {"enum": [{"type": "number"}]},
-        "o": {"type": "object", "properties": {"k": {"type": "string"}}, "patternProperties": {"^z": True}}},
-        "allOf": [part]}
-    tight = structured.schema_dict(schema)
-    props = tight["properties"]
-    assert props["i"] == {"type": "integer", "minimum": 3, "maximum": safe[1]}
-    assert props["x"] == {"type": ["number", "null"], "minimum": safe[0], "maximum": safe[1],
-                          "multipleOf": structured.DECIMALS}
-    assert props["c"] == schema["properties"]["c"] and props["e"] == schema["properties"]["e"]
-    assert props["o"] == schema["properties"]["o"] and tight["allOf"] == [part]
-    assert tight["additionalProperties"] is False
+SAFE = schema_tightening.SAFE
+INT = {"type": "integer"}
+BOUNDED_INT = {"type": "integer", "minimum": -SAFE, "maximum": SAFE}
+OBJECT = {"type": "object", "properties": {"a": INT}}
+TIGHTENED = [  # (schema as given, as enforced)
+    (INT, BOUNDED_INT),
+    ({"type": "number", "minimum": 0.5}, {"type": "number", "minimum": 0.5, "maximum": SAFE, "multipleOf": 1e-9}),
+    ({"type": "integer", "minimum": 2 ** 60}, {"type": "integer", "minimum": 2 ** 60, "maximum": 2 ** 60 + SAFE}),
+    ({"type": "integer", "exclusiveMaximum": -2 ** 60}, {"type": "integer", "exclusiveMaximum": -2 ** 60,
+                                                         "minimum": -2 ** 60 - SAFE}),
+    ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1e-10},  # no multiple of 1e-9 inside
+     {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1e-10}),
+    ({"type": "number", "minimum": 1e-12, "maximum": 1}, {"type": "number", "minimum": 1e-12, "maximum": 1}),
+    ({"type": "number", "multipleOf": 0.5}, {"type": "number", "multipleOf": 0.5, "minimum": -SAFE, "maximum": SAFE}),
+    ({"type": "number", "enum": [1e-12, 3]}, {"type": "number", "enum": [1e-12, 3]}),
+    ({"type": "integer", "const": 2 ** 60}, {"type": "integer", "const": 2 ** 60}),
+    ({"type": "array", "maxItems": 2.0}, {"type": "array", "maxItems": 2}),
+    (OBJECT, {"type": "object", "properties": {"a": BOUNDED_INT}, "additionalProperties": False}),
+    (OBJECT | {"required": ["a", "b"]}, OBJECT | {"properties": {"a": BOUNDED_INT}, "required": ["a", "b"]}),
+    (OBJECT | {"required": ["a"], "minProperties": 2},
+     OBJECT | {"properties": {"a": BOUNDED_INT}, "required": ["a"], "minProperties": 2}),
+    (OBJECT | {"allOf": [OBJECT]}, OBJECT | {"properties": {"a": BOUNDED_INT}, "allOf": [
+        OBJECT | {"properties": {"a": BOUNDED_INT}}]}),
+    ({"anyOf": [OBJECT, INT]}, {"anyOf": [OBJECT | {"properties": {"a": BOUNDED_INT}, "additionalProperties": False},
+                                           BOUNDED_INT]}),
+    ({"required": ["b"], "anyOf": [OBJECT]}, {"required": ["b"], "anyOf": [OBJECT | {"properties": {"a": BOUNDED_INT}}]}),
+    ({"oneOf": [OBJECT, INT]}, {"oneOf": [OBJECT, INT]}),
+    ({"$defs": {"o": OBJECT}, "properties": {"x": {"$ref": "#/$defs/o", "description": "x"}}},
+     {"$defs": {"o": OBJECT | {"properties": {"a": BOUNDED_INT}, "additionalProperties": False}},
+      "properties": {"x": {"$ref": "#/$defs/o", "description": "x"}}}),
+    ({"$defs": {"o": OBJECT}, "properties": {"x": {"$ref": "#/$defs/o", "required": ["a"]}}},
+     {"$defs": {"o": OBJECT | {"properties": {"a": BOUNDED_INT}}}, "properties": {"x": {"$ref": "#/$defs/o",
+                                                                                        "required": ["a"]}}}),
+    ({"$defs": {"o": OBJECT}, "properties": {"x": {"$ref": "#/$defs/o"}, "y": {"oneOf": [{"$ref": "#/$defs/o"}]}}},
+     {"$defs": {"o": OBJECT}, "properties": {"x": {"$ref": "#/$defs/o"}, "y": {"oneOf": [{"$ref": "#/$defs/o"}]}}}),
+    ({"$defs": {"unused": INT}, "const": {"type": "integer"}}, {"$defs": {"unused": INT}, "const": {"type": "integer"}}),
+]
+
+
+@pytest.mark.parametrize("schema, enforced", TIGHTENED, ids=range(len(TIGHTENED)))
+def test_schemas_are_tightened_only_where_the_client_left_them_free(tokenizers, schema, enforced):
+    """A number is bounded on a side its schema leaves open, never against its own bounds,
+    nor beside enum or const; an object that names its properties and says nothing else of
+    other keys is closed, unless it combines or refers to schemas, is an allOf's part, is
+    referred to beside other keywords; nothing under oneOf, nor what it refers to, nor JSON
+    values, is touched. The result compiles (schema_corpus: answers meet the schema
+    as given)."""
+    assert schema_tightening.tightened(schema) == enforced
+    vocabulary_of(tokenizers["hf"]).matcher(Constraint("json_schema", schema))
+
+
+def test_deep_schemas_are_refused_before_llguidance_recurses(tokenizers):
+    """A chain of references overflowed llguidance's stack (a crash, not an error) at about
+    950 links: the depth through references is bounded; a recursive schema is not deep, and
+    a schema whose references multiply its paths costs no more than its size."""
+    chain = {"$defs": {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(1000)},
+             "$ref": "#/$defs/d0"}
+    chain["$defs"]["d1000"] = INT
+    with pytest.raises(ValueError, match="nests schemas more than 64 levels deep, counting each \\$ref"):
+        vocabulary_of(tokenizers["hf"]).matcher(Constraint("json_schema", chain))
+    doubling = {"$defs": {f"d{i}": {"type": "array", "prefixItems": [{"$ref": f"#/$defs/d{i + 1}"}] * 2}
+                          for i in range(30)} | {"d30": INT}, "$ref": "#/$defs/d0"}
+    vocabulary_of(tokenizers["hf"]).matcher(Constraint("json_schema", doubling))  # 2^30 paths, 31 deep
+    text = '{"items": ' * 70 + "{}" + "}" * 70
+    with pytest.raises(ValueError, match=r"json_schema: items\.items\.items.* more than 64 levels deep"):
+        vocabulary_of(tokenizers["hf"]).matcher(Constraint("json_schema", text))

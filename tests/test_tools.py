@@ -13,17 +13,22 @@
 import copy
 import json
 import re
+import types
 
 import jsonschema
 import pytest
 
+import api
 import chat_format
+import openai_api
 from conftest import TOKENIZER
 from structured import Constraint
 from test_chat_safety import with_template
 from test_structured import generate
 from tokenizer import Tokenizer
 from tool_calls import ToolCallStream, call_schema, check_tool_choice, check_tools, parse_tool_calls
+
+META = {"id": "chatcmpl-1", "created": 0, "model": "llama"}
 
 # Modelled on Meta's Llama 3.1 Instruct template (meta-llama/Llama-3.1-8B-Instruct's
 # tokenizer_config.json), in its default layout: with tools, "Environment: ipython" in the
@@ -313,12 +318,28 @@ OUTPUTS = [  # (generated text, content, [(name, arguments)])
     ('{"type": "function", "name": "get_time", "parameters": {}}', None, [("get_time", "{}")]),
     (' \n{"name":"get_weather","parameters":{"city":"Pa\\"}{ris","unit":"C"}}\n{"name": "get_time", "parameters": {}};'
      '{ "name" : "get_time" , "parameters" : { } } ', None,
-     [("get_weather", '{"city":"Pa\\"}{ris","unit":"C"}'), ("get_time", "{}"), ("get_time", "{ }")]),
+     [("get_weather", '{"city": "Pa\\"}{ris", "unit": "C"}'), ("get_time", "{}"), ("get_time", "{}")]),
     ('{"parameters": {"city": "Oslo"}, "name": "get_weather"}', None, [("get_weather", '{"city": "Oslo"}')]),
     ('{"name": "get_weather", "parameters": {"city": "Rome"}} It is sunny.', "It is sunny.",
      [("get_weather", '{"city": "Rome"}')]),
-    ('{"name": "get_time", "parameters": {}, "extra": 1}', ', "extra": 1}', [("get_time", "{}")]),  # past the "}"
-    ('{"name": "get_weather", "parameters": {"city": "Par', None, [("get_weather", '{"city": "Par')]),  # cut short
+    ('{"name": "get_time", "parameters": {}, "extra": 1}', '{"name": "get_time", "parameters": {}, "extra": 1}', []),
+    ('{"name": "get_weather", "parameters": {"city": "Par', '{"name": "get_weather", "parameters": {"city": "Par',
+     []),  # cut short: not a call
+    ('{"name": "get_time", "parameters": {}}\n{"name": "get_weather", "parameters": {"ci', '{"name": "get_weather", '
+     '"parameters": {"ci', [("get_time", "{}")]),  # the call before it stands
+    ('{"name": "get_weather", "parameters": {"city": Paris}}', '{"name": "get_weather", "parameters": {"city": Paris}}',
+     []),  # arguments that are not JSON
+    ("{\"name\": \"get_weather\", \"parameters\": {'city': 'Paris'}}",
+     "{\"name\": \"get_weather\", \"parameters\": {'city': 'Paris'}}", []),
+    ('{"name": "get_weather", "parameters": {"city": "Oslo"}} {"name": "get_time", "parameters": {]}',
+     '{"name": "get_time", "parameters": {]}', [("get_weather", '{"city": "Oslo"}')]),
+    *[(text, None, [("get_weather", '{"city": "Oslo"}')]) for text in (  # the keys in any order
+        '{"type": "function", "name": "get_weather", "parameters": {"city": "Oslo"}}',
+        '{"name": "get_weather", "type": "function", "parameters": {"city": "Oslo"}}',
+        '{"name": "get_weather", "parameters": {"city": "Oslo"}, "type": "function"}',
+        '{"parameters": {"city": "Oslo"}, "type": "function", "name": "get_weather"}',
+        '{"arguments": {"city": "Oslo"}, "name": "get_weather"}',
+        '{"type": "function", "arguments": {"city": "Oslo"}, "name": "get_weather"}')],
     ("It is sunny.", "It is sunny.", []),
     ('Here: {"name": "get_time", "parameters": {}}', 'Here: {"name": "get_time", "parameters": {}}', []),  # text first
     ('{"answer": 42}', '{"answer": 42}', []),
@@ -385,18 +406,50 @@ def test_streamed_deltas_add_up_to_the_parsed_calls_wherever_the_text_is_cut(tex
 
 
 def test_a_stream_tells_as_soon_as_it_can():
+    """Content at once; a call once its object closes and parses: until then it could be
+    arguments that are not JSON, or cut off."""
     stream = ToolCallStream(TOOLS)
-    assert stream.add("It") == [{"content": "It"}]  # content at once
+    assert stream.add("It") == [{"content": "It"}]
     stream = ToolCallStream(TOOLS)
     assert stream.add("<|python_tag|>") == [] and stream.add(' {"name": "get_weather", "parameters": ') == []
-    first = stream.add('{"ci')  # certain at the arguments' "{"
-    assert first[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
-    assert first[1] == {"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]}
-    assert stream.add('ty": "Oslo"}}') == [{"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]}]
+    assert stream.add('{"city": "Oslo"}') == []
+    head, arguments = stream.add("}")
+    assert head["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert arguments == {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Oslo"}'}}]}
     assert stream.add(" ;\n") == [] and stream.finish() == []
     stream = ToolCallStream(TOOLS)
     assert stream.add('{"answer": {"x": 1}') == []  # held until the object tells
     assert stream.add("}") == [{"content": '{"answer": {"x": 1}}'}]
+
+
+CUT = '{"name": "get_weather", "parameters": {"city": "Par'
+ENDINGS = [  # (generated text, how the sequence ended, finish_reason, calls, content)
+    ('{"name": "get_time", "parameters": {}}', "stop", "tool_calls", 1, None),
+    (CUT, "length", "length", 0, CUT),  # cut off by max_tokens: no call
+    ('{"name": "get_time", "parameters": {}}; ' + CUT, "length", "length", 1, CUT),
+    ('{"name": "get_weather", "parameters": {"city": Paris}}', "stop", "stop", 0,
+     '{"name": "get_weather", "parameters": {"city": Paris}}'),  # not JSON: no call
+    ('{"name": "get_time", "parameters": {}}', "error", "error", 1, None),
+]
+
+
+@pytest.mark.parametrize("text, ended, finish_reason, calls, content", ENDINGS, ids=range(len(ENDINGS)))
+def test_only_whole_calls_are_calls_and_the_finish_reason_says_how_it_ended(text, ended, finish_reason, calls,
+                                                                            content):
+    """Whole and streamed (a character at a time), a chat answer's calls are the ones whose
+    JSON is whole; "tool_calls" only when the model stopped after calls."""
+    req = api.Request("chat", chat=True, input_field="messages", tools=TOOLS)
+    seq = types.SimpleNamespace(text=text, finish_reason=ended, prompt_tokens=[1], tokens=[2], sampled=[2],
+                                params=types.SimpleNamespace(logprobs=False))
+    choice = openai_api.answer(req, [seq], None, META)["choices"][0]
+    assert choice["finish_reason"] == finish_reason and len(choice["message"].get("tool_calls", [])) == calls
+    assert choice["message"]["content"] == content
+    streamed = "".join(openai_api.chunk(req, META, 0, c, first=i == 0) for i, c in enumerate(text))
+    streamed += openai_api.last_chunks(req, [seq], META, None)
+    chunks = [json.loads(line.removeprefix("data: ")) for line in streamed.split("\n\n") if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert chunks[-1]["choices"][0]["finish_reason"] == finish_reason
+    assert sum("id" in call for d in deltas for call in d.get("tool_calls", [])) == calls
 
 
 # --- 3. a request's tools ------------------------------------------------------------------------
