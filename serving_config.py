@@ -53,21 +53,40 @@ def setting(default, must: str, ok: Callable[[Any], bool]):
     return field(default=default, metadata={"must": must, "ok": ok})
 
 
-# What a number in handler.limits and handler.defaults must be, by the field's type.
-SECTION_RULES = {int: ("a whole number >= 0", lambda value: whole(value, 0)), float: ("a number >= 0", number)}
+def at_least(least: int) -> tuple[str, Callable[[Any], bool]]:
+    return f"a whole number >= {least}", lambda value: whole(value, least)
+
+
+def from_to(least: int, most: int) -> tuple[str, Callable[[Any], bool]]:
+    return f"a whole number from {least} to {most}", lambda value: whole(value, least) and value <= most
+
+
+# What each number in handler.limits and handler.defaults must be: a limit of 0 prompts or new
+# tokens would refuse every request, and a default must be a value the API accepts.
+SECTION_RULES = {
+    "limits.max_new_tokens": at_least(1),
+    "limits.max_prompt_tokens": at_least(0),  # 0: whatever max_seq_len leaves room for
+    "limits.max_prompts": at_least(1),
+    "limits.max_messages": at_least(1),
+    "limits.max_body_bytes": at_least(1024),
+    "defaults.max_new_tokens": at_least(1),
+    "defaults.temperature": ("a number from 0 to 2", lambda value: number(value) and value <= 2),
+    "defaults.top_p": ("a number above 0, at most 1", lambda value: number(value) and 0 < value <= 1),
+    "defaults.top_k": at_least(0),
+}
 
 
 @dataclass
 class Speculative:
     """handler.speculative: proposed tokens verified in the decode steps (speculative.py)."""
     method: str = setting("off", "off, ngram or draft", one_of("off", "ngram", "draft"))
-    k: int = setting(4, "a whole number >= 1", lambda value: whole(value, 1))  # tokens proposed per step
-    ngram_min: int = setting(1, "a whole number >= 1", lambda value: whole(value, 1))  # prompt lookup's n-grams
-    ngram_max: int = setting(3, "a whole number >= 1", lambda value: whole(value, 1))
+    k: int = setting(4, *from_to(1, 32))  # tokens proposed per step
+    ngram_min: int = setting(1, *from_to(1, 32))  # prompt lookup's n-grams
+    ngram_max: int = setting(3, *from_to(1, 32))
     # method draft: the draft model's checkpoint (same tokenizer), relative to the archive or absolute
     draft: str | None = setting(None, "a path", lambda value: value is None or a_path(value))
     # speculate while at most this many sequences decode (BENCHMARKS.md, speculative decoding)
-    max_batch: int = setting(2, "a whole number >= 0", lambda value: whole(value, 0))
+    max_batch: int = setting(2, *at_least(0))
 
     def __post_init__(self):
         refuse_bad_settings(self, "handler.speculative.")
@@ -84,10 +103,10 @@ class ServingConfig:
     checkpoint: str = setting("weights", "a path", a_path)  # relative to the archive, or absolute
     # a tokenizer file, or a folder with tokenizer.json or tokenizer.model; None: the checkpoint's
     tokenizer: str | None = setting(None, "a path", lambda value: value is None or a_path(value))
-    max_seq_len: int = setting(512, "a whole number >= 1", lambda value: whole(value, 1))
+    max_seq_len: int = setting(512, *at_least(1))
     dtype: str = setting(AUTO, f"auto or one of {sorted(DTYPES)}", one_of(AUTO, *DTYPES))
     compile: bool = setting(False, "true or false", flag)
-    kv_cache_bytes: int = setting(0, "a whole number >= 0", lambda value: whole(value, 0))
+    kv_cache_bytes: int = setting(0, *at_least(0))
     # a share of the GPU memory left free after loading, instead of kv_cache_bytes (GPU only)
     kv_cache_memory: float = setting(0, "a number from 0 to 1", lambda value: number(value) and value <= 1)
     attention: str = setting("auto", "auto, flex or sdpa", one_of(*ATTENTION))
@@ -115,7 +134,7 @@ class ServingConfig:
         for name in ("limits", "defaults"):
             section = getattr(self, name)
             for f in fields(section):
-                refuse_unless(f"handler.{name}.{f.name}", getattr(section, f.name), *SECTION_RULES[f.type])
+                refuse_unless(f"handler.{name}.{f.name}", getattr(section, f.name), *SECTION_RULES[f"{name}.{f.name}"])
 
     @classmethod
     def from_model_config(cls, config: dict) -> "ServingConfig":
@@ -124,7 +143,7 @@ class ServingConfig:
         if config.get("continuousBatching") is not True:
             raise ValueError("model-config.yaml must set continuousBatching: true (this handler batches "
                              "requests step by step)")
-        refuse_unless("batchSize", config.get("batchSize", 1), "a whole number >= 1", lambda value: whole(value, 1))
+        refuse_unless("batchSize", config.get("batchSize", 1), *at_least(1))
         handler = config.get("handler") or {}
         refuse_unless("handler", handler, "a mapping of settings", lambda value: isinstance(value, dict))
         names = [f.name for f in fields(cls)]
