@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import re
+from decimal import Decimal, localcontext
 
 import jsonschema
 import pytest
@@ -31,6 +32,21 @@ PROMPT = "Answer in JSON:"
 SEEDS = 3
 MAX_TOKENS = 96  # the demo model's free strings can run long: such answers end "length" and go unchecked
 FINISHED = 0.8  # of the answers, at least
+
+
+def decimal_multiple_of(validator, divisor, instance, schema):
+    """multipleOf on the numbers as written (schemas and answers are read with Decimal floats): jsonschema
+    divides floats, and 17.2778 / 0.0001 is 172777.99999999997 there, though 17.2778 is a
+    multiple of 0.0001."""
+    if not validator.is_type(instance, "number"):
+        return
+    with localcontext(prec=1000):  # exact for every double's quotient by another
+        whole = Decimal(str(instance)) % Decimal(str(divisor)) == 0
+    if not whole:
+        yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor!r}")
+
+
+Validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, {"multipleOf": decimal_multiple_of})
 
 
 def llguidance_error(schema) -> str:
@@ -112,9 +128,9 @@ def test_answers_meet_the_clients_own_schema(answers):
     finished = [(name, seq) for name, seq in seqs if seq.finish_reason == "stop"]
     assert all(seq.finish_reason in ("stop", "length") for _, seq in seqs)
     for name, seq in finished:
-        validator = jsonschema.Draft202012Validator(CORPUS[name]["schema"],
-                                                    format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
-        errors = [e.message for e in validator.iter_errors(json.loads(seq.text))]
+        schema = json.loads(json.dumps(CORPUS[name]["schema"]), parse_float=Decimal)
+        validator = Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+        errors = [e.message for e in validator.iter_errors(json.loads(seq.text, parse_float=Decimal))]
         assert not errors, (name, seq.text, errors)
     assert len(finished) >= FINISHED * len(seqs), \
         f"most answers finish within {MAX_TOKENS} tokens: {len(finished)} of {len(seqs)}; cut: " + \
