@@ -61,6 +61,8 @@ class Request:
     sampling: dict = field(default_factory=dict)  # SamplingParams fields but max_gen_len
     include_usage: bool = False  # OpenAI stream_options.include_usage
     tools: list = field(default_factory=list)  # chat: the function tools the model may call (tool_calls.py)
+    # (constraint, what is wrong if it does not compile, its field): compiled after every cheap check
+    to_compile: list = field(default_factory=list)
     tool_streams: dict = field(default_factory=dict)  # a streamed chat with tools: each choice's ToolCallStream
     state: dict = field(default_factory=dict)  # an API's own: fields its answer repeats, its stream's progress
 

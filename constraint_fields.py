@@ -5,7 +5,7 @@ naming its field."""
 
 from typing import Callable
 
-from api import RequestError
+from api import Request, RequestError
 from structured import Constraint
 
 # vLLM's structured_outputs keys (and its older guided_<key> fields): the constraint kind each gives
@@ -18,11 +18,9 @@ PROBLEM = {"json_schema": "is not a JSON schema that can be enforced", "json_obj
            "grammar": "is not a valid grammar"}
 
 
-def get_constraint(body: dict, names: tuple[str, ...], matcher: Callable | None) -> Constraint | None:
-    """The constraint that one of the fields names gives (None: the text is free); several are
-    refused, naming them all. matcher (the engine's Engine.matcher) compiles it, so that one
-    that cannot compile is refused here, naming its field, with llguidance's message (without
-    one, parsing alone, it is not compiled)."""
+def get_constraint(body: dict, names: tuple[str, ...], to_compile: list) -> Constraint | None:
+    """The constraint that one of the fields names gives (None: the text is free), noted in
+    to_compile (check_compiles); several are refused, naming them all."""
     given = {name: found for name in names if body.get(name) is not None
              and (found := constraint_of(name, body[name])) is not None}
     if len(given) > 1:
@@ -31,19 +29,25 @@ def get_constraint(body: dict, names: tuple[str, ...], matcher: Callable | None)
     if not given:
         return None
     name, (path, constraint) = given.popitem()
-    check_compiles(constraint, matcher, f"{path} {PROBLEM[constraint.kind]}", name)
+    check_compiles(constraint, to_compile, f"{path} {PROBLEM[constraint.kind]}", name)
     return constraint
 
 
-def check_compiles(constraint: Constraint, matcher: Callable | None, problem: str, param: str):
-    """Compile constraint with matcher (the engine's Engine.matcher; None: parsing alone, not
-    compiled): one that cannot compile is a RequestError naming param, with llguidance's message."""
-    if matcher is None:
-        return
-    try:
-        matcher(constraint)
-    except ValueError as e:  # its message starts with the kind where the value's type is wrong
-        raise RequestError(f"{problem}: {str(e).removeprefix(constraint.kind + ': ')}", param) from None
+def check_compiles(constraint: Constraint, to_compile: list, problem: str, param: str):
+    """Note that constraint must compile, and how to refuse it if not (what is wrong, the
+    field): compiling waits until every cheap check of the request has passed."""
+    to_compile.append((constraint, problem, param))
+
+
+def compile_constraints(req: Request, matcher: Callable):
+    """Compile each constraint the request gave (matcher: the engine's Engine.matcher, which
+    caches the grammar its sequences then copy); one that cannot compile is a RequestError
+    naming its field, with llguidance's message."""
+    for constraint, problem, param in req.to_compile:
+        try:
+            matcher(constraint)
+        except ValueError as e:  # its message starts with the kind where the value's type is wrong
+            raise RequestError(f"{problem}: {str(e).removeprefix(constraint.kind + ': ')}", param) from None
 
 
 def constraint_of(name: str, value) -> tuple[str, Constraint] | None:

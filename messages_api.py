@@ -30,8 +30,8 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
 
 
-def parse(body, model_name: str, limits: Limits, defaults: Defaults, matcher=None) -> Request:
-    """matcher: compiles a constraint (constraint_fields.get_constraint)."""
+def parse(body, model_name: str, limits: Limits, defaults: Defaults) -> Request:
+    """Its constraint is compiled later (constraint_fields.compile_constraints)."""
     check_object(body)
     api.check_fields(body, FIELDS, NEUTRAL)
     api.check_model(body, model_name, required=True)
@@ -43,8 +43,8 @@ def parse(body, model_name: str, limits: Limits, defaults: Defaults, matcher=Non
     req.sampling = {"logprobs": False, "top_logprobs": 0, "echo": False, "constraint": None} \
         | api.sampling_fields(body, defaults, top_p="top_p") | {"stop": api.get_stop(body, "stop_sequences")}
     req.stream = api.get_bool(body, "stream")
-    format_constraint = output_format(body.get("output_config"), matcher)
-    client_tools(req, body, matcher)
+    format_constraint = output_format(body.get("output_config"), req.to_compile)
+    client_tools(req, body)
     if format_constraint is not None:
         if req.sampling["constraint"] is not None:
             raise RequestError("a tool_choice of type any or tool forces a tool call; it cannot take an "
@@ -125,7 +125,7 @@ def text_of(content, where: str) -> str:
     return "\n\n".join(b["text"] for b in content)
 
 
-def output_format(config, matcher) -> Constraint | None:
+def output_format(config, to_compile: list) -> Constraint | None:
     """output_config.format: {"type": "json_schema", "schema": {...}}, enforced."""
     if config is None:
         return None
@@ -138,11 +138,11 @@ def output_format(config, matcher) -> Constraint | None:
         raise RequestError('output_config.format must be {"type": "json_schema", "schema": {...}}', "output_config")
     constraint = Constraint("json_schema", spec["schema"])
     problem = f"output_config.format.schema {constraint_fields.PROBLEM['json_schema']}"
-    constraint_fields.check_compiles(constraint, matcher, problem, "output_config")
+    constraint_fields.check_compiles(constraint, to_compile, problem, "output_config")
     return constraint
 
 
-def client_tools(req: Request, body: dict, matcher):
+def client_tools(req: Request, body: dict):
     """req's tools and the constraint of a forced call, as the chat route sets them, from
     Anthropic's client tools ({"name", "input_schema", "description"?}) and tool_choice
     (auto, any, tool with its name, none; disable_parallel_tool_use)."""
@@ -175,7 +175,7 @@ def client_tools(req: Request, body: dict, matcher):
         if not isinstance(choice.get("disable_parallel_tool_use", False), bool):
             raise RequestError("tool_choice.disable_parallel_tool_use must be true or false", "tool_choice")
     try:
-        openai_api.tool_call_constraint(req, chat_body, matcher)
+        openai_api.tool_call_constraint(req, chat_body)
     except RequestError as e:
         message = e.message.replace(".function.parameters", ".input_schema").replace(".function.", ".")
         raise RequestError(message, e.param) from None

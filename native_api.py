@@ -15,8 +15,8 @@ NATIVE_FIELDS = {"prompt", "dialog", "messages", "max_new_tokens", "temperature"
                  "speculative"}
 
 
-def parse(body, limits: Limits, defaults: Defaults, matcher=None) -> Request:
-    """matcher: compiles a constraint (constraint_fields.get_constraint)."""
+def parse(body, limits: Limits, defaults: Defaults) -> Request:
+    """Its constraint is compiled later (constraint_fields.compile_constraints)."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type_name(body)}", "body")
     unknown = sorted(set(body) - NATIVE_FIELDS)
@@ -41,7 +41,7 @@ def parse(body, limits: Limits, defaults: Defaults, matcher=None) -> Request:
     req.sampling["echo"] = get_bool(body, "echo")
     if req.chat and req.sampling["echo"]:
         raise RequestError("echo is only for text completion", "echo")
-    req.sampling["constraint"] = get_constraint(body, ("structured_outputs",), matcher)
+    req.sampling["constraint"] = get_constraint(body, ("structured_outputs",), req.to_compile)
     return req
 
 

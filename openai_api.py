@@ -23,8 +23,8 @@ KEPT_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}  # a messa
 CONSTRAINT_FIELDS = ("response_format", "structured_outputs") + constraint_fields.GUIDED_FIELDS  # OpenAI's, vLLM's, vLLM's older
 
 
-def parse(route: str, body, model_name: str, limits: Limits, defaults: Defaults, matcher=None) -> Request:
-    """matcher: compiles a constraint (constraint_fields.get_constraint)."""
+def parse(route: str, body, model_name: str, limits: Limits, defaults: Defaults) -> Request:
+    """Its constraint is compiled later (constraint_fields.compile_constraints)."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {api.type_name(body)}", None)
     api.check_model(body, model_name)
@@ -58,13 +58,13 @@ def parse(route: str, body, model_name: str, limits: Limits, defaults: Defaults,
     req.include_usage = api.get_bool(options, "include_usage")
     if req.stream and req.sampling["logprobs"]:
         raise RequestError("logprobs are not supported with stream", "logprobs")
-    req.sampling["constraint"] = constraint_fields.get_constraint(body, CONSTRAINT_FIELDS, matcher)
+    req.sampling["constraint"] = constraint_fields.get_constraint(body, CONSTRAINT_FIELDS, req.to_compile)
     if req.chat:
-        tool_call_constraint(req, body, matcher)
+        tool_call_constraint(req, body)
     return req
 
 
-def tool_call_constraint(req: Request, body: dict, matcher):
+def tool_call_constraint(req: Request, body: dict):
     """req's tools, and the constraint of a forced call (tool_choice required or a named
     function): the answer is one call whose arguments match the function's parameters."""
     try:
@@ -85,7 +85,7 @@ def tool_call_constraint(req: Request, body: dict, matcher):
         raise RequestError(f"tool_choice {json.dumps(body['tool_choice'])} constrains the answer to a call; "
                            "it cannot take a response_format or structured_outputs as well", "tool_choice")
     req.sampling["constraint"] = constraint = Constraint("json_schema", schema)
-    constraint_fields.check_compiles(constraint, matcher, "the parameters of the tools cannot be enforced", "tools")
+    constraint_fields.check_compiles(constraint, req.to_compile, "the parameters of the tools cannot be enforced", "tools")
 
 
 def max_tokens(body: dict, limits: Limits, alias: str | None = None, lo: int = 1) -> int | None:

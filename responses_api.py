@@ -32,8 +32,8 @@ UNSTORED = ("responses are not stored on this server (store: true is refused), s
             "retrieve, cancel or delete")
 
 
-def parse(body, model_name: str, limits: Limits, defaults: Defaults, matcher=None) -> Request:
-    """matcher: compiles a constraint (constraint_fields.get_constraint)."""
+def parse(body, model_name: str, limits: Limits, defaults: Defaults) -> Request:
+    """Its constraint is compiled later (constraint_fields.compile_constraints)."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {api.type_name(body)}", None)
     if body.get("store") is True:
@@ -50,8 +50,8 @@ def parse(body, model_name: str, limits: Limits, defaults: Defaults, matcher=Non
     req.sampling = {"logprobs": False, "top_logprobs": 0, "echo": False,
                     "constraint": None} | api.sampling_fields(body, defaults, top_p="top_p")
     req.stream = api.get_bool(body, "stream")
-    format_constraint = text_format(body.get("text"), matcher)
-    choice = function_tools(req, body, matcher)
+    format_constraint = text_format(body.get("text"), req.to_compile)
+    choice = function_tools(req, body)
     if format_constraint is not None:
         if req.sampling["constraint"] is not None:
             raise RequestError(f"tool_choice {json.dumps(body['tool_choice'])} forces a function call; it cannot "
@@ -123,7 +123,7 @@ def text_of(content, where: str) -> str:
     return "".join(p[TEXT_PARTS[p["type"]]] for p in content)
 
 
-def text_format(text, matcher) -> Constraint | None:
+def text_format(text, to_compile: list) -> Constraint | None:
     """text.format: {"type": "text"}, {"type": "json_object"}, or {"type": "json_schema",
     "name", "schema", "strict"?, "description"?} (the schema enforced whatever strict says)."""
     if text is None:
@@ -141,11 +141,11 @@ def text_format(text, matcher) -> Constraint | None:
                            '"json_schema", "name": ..., "schema": {...}}', "text")
     constraint = Constraint("json_schema", spec["schema"])
     problem = f"text.format.schema {constraint_fields.PROBLEM['json_schema']}"
-    constraint_fields.check_compiles(constraint, matcher, problem, "text")
+    constraint_fields.check_compiles(constraint, to_compile, problem, "text")
     return constraint
 
 
-def function_tools(req: Request, body: dict, matcher):
+def function_tools(req: Request, body: dict):
     """req's tools and the constraint of a forced call, as the chat route sets them (from the
     Responses shapes: {"type": "function", "name", "parameters", "strict", "description"},
     tool_choice {"type": "function", "name"}). Returns tool_choice as the response repeats it."""
@@ -173,7 +173,7 @@ def function_tools(req: Request, body: dict, matcher):
         chat_choice = {"type": "function", "function": {"name": choice["name"]}}
     chat_body = {"tools": chat_tools, "tool_choice": chat_choice, "parallel_tool_calls": body.get("parallel_tool_calls")}
     try:
-        openai_api.tool_call_constraint(req, chat_body, matcher)
+        openai_api.tool_call_constraint(req, chat_body)
     except RequestError as e:
         raise RequestError(e.message.replace(".function.", "."), e.param) from None
     return choice if choice is not None else ("auto" if chat_tools else "none")

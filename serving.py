@@ -10,6 +10,7 @@ import os
 import time
 
 import api
+import constraint_fields
 import messages_api
 import native_api
 import openai_api
@@ -76,17 +77,18 @@ class InFlight:
         """(request, [(prompt tokens, sampling params)], meta): what every rank's Job needs."""
         body = api.read_body(request_body(raw), self.limits)
         if route == "native":
-            request = native_api.parse(body, self.limits, self.defaults, self.engine.matcher)
+            request = native_api.parse(body, self.limits, self.defaults)
         elif route in ("responses", "messages"):
-            request = FORMATS[route].parse(body, self.model_name, self.limits, self.defaults, self.engine.matcher)
+            request = FORMATS[route].parse(body, self.model_name, self.limits, self.defaults)
         else:
-            request = openai_api.parse(route, body, self.model_name, self.limits, self.defaults, self.engine.matcher)
+            request = openai_api.parse(route, body, self.model_name, self.limits, self.defaults)
         prompts = api.sequences(request, self.tokenizer, self.max_seq_len, self.limits, self.defaults)
         for tokens, params in prompts:  # all checks before any sequence is queued
             try:
                 self.engine.check(tokens, params)
             except ValueError as e:
                 raise RequestError(str(e), "prompt") from None
+        constraint_fields.compile_constraints(request, self.engine.matcher)  # the costly check, last
         meta = {"id": ID_PREFIXES[request.api] + req_id, "created": int(time.time()),
                 "model": self.model_name, "prompt_tokens": len(prompts[0][0])}
         return request, prompts, meta

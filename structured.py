@@ -13,6 +13,8 @@ only where the grammar accepts, and once the grammar is finished nothing else is
 import functools
 import json
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +29,21 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # JSON laid out as json.dumps does ({"a": 1, "b": [2, 3]}): free whitespace lets a model
 # (or random sampling) pad an answer with line breaks until max_tokens cuts it short
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-GRAMMAR_CACHE_SIZE = 256
-LIMITS = LLParserLimits(verbose_errors=False)  # errors say what is wrong, not the parser's state
+# llguidance's limits (its defaults in brackets), so that no grammar holds a worker long:
+# - compiling: 1M units of lexer fuel, about 20 ms [1M], a grammar of 50k symbols [500k] and
+#   20k lexer states, about 40 MB [250k]: past them, a 400 naming the field;
+# - each token's mask: 100k units of lexer fuel, about 7 ms [200k], and 20k Earley items
+#   [50k]: a mask that needs more fails its sequence (finish_reason "error"), so that it never
+#   holds the step, and the other sequences in it, longer than that (docs/api.md).
+LIMITS = LLParserLimits(initial_lexer_fuel=1_000_000, max_grammar_size=50_000, max_lexer_states=20_000,
+                        step_lexer_fuel=100_000, step_max_items=20_000,
+                        verbose_errors=False)  # errors say what is wrong, not the parser's state
+# Parsing a grammar's text comes before llguidance's limits, and grows faster than its length
+# (60,000 choices: 6.5 s): regexes and grammars of at most 64 KiB (about 0.1 s), 4096 choices.
+MAX_GRAMMAR_BYTES, MAX_CHOICES = 64 << 10, 4096
+# Compiled grammars kept for reuse, bounded in entries and in their grammars' bytes (a schema
+# may be 1 MiB of text, and what it compiles to grows with it).
+GRAMMAR_CACHE_ENTRIES, GRAMMAR_CACHE_BYTES = 256, 16 << 20
 
 
 @dataclass(frozen=True)
@@ -57,6 +72,8 @@ def grammar_text(constraint: Constraint) -> str:
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
             raise ValueError("choice: expected a non-empty list of strings")
+        if len(value) > MAX_CHOICES:
+            raise ValueError(f"choice: {len(value)} choices, more than the {MAX_CHOICES} this server compiles")
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
     if kind == "grammar":
         return grammar_from("grammar", text_value(kind, value))  # GBNF is converted to Lark
@@ -81,6 +98,8 @@ def schema_dict(schema) -> dict:
 def text_value(kind: str, value) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{kind}: expected a string")
+    if len(value.encode()) > MAX_GRAMMAR_BYTES:
+        raise ValueError(f"{kind}: {len(value.encode())} bytes, more than the {MAX_GRAMMAR_BYTES} this server compiles")
     return value
 
 
@@ -108,13 +127,36 @@ def vocabulary(tokenizer: Tokenizer, vocab_size: int) -> Vocabulary:
     return Vocabulary(tokenizer, vocab_size)  # about a second for 128k tokens: once
 
 
-@functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
-def compiled(ll: LLTokenizer, grammar: str) -> LLMatcher:
-    """A matcher at the start of grammar: the compiled grammar, which matchers copy."""
-    matcher = LLMatcher(ll, grammar, log_level=0, limits=LIMITS)
-    if matcher.is_error():
-        raise ValueError(UNIMPLEMENTED.sub(unsupported, matcher.get_error()))
-    return matcher
+class GrammarCache:
+    """Compiled grammars by (tokenizer, grammar text), the least recently used dropped first
+    past GRAMMAR_CACHE_ENTRIES entries or GRAMMAR_CACHE_BYTES of grammar text."""
+
+    def __init__(self, entries: int = GRAMMAR_CACHE_ENTRIES, max_bytes: int = GRAMMAR_CACHE_BYTES):
+        self.entries, self.max_bytes, self.bytes = entries, max_bytes, 0
+        self.kept: OrderedDict[tuple[int, str], LLMatcher] = OrderedDict()
+        self.lock = threading.Lock()  # rank 0 compiles on the request thread, other ranks on the engine's
+
+    def __call__(self, ll: LLTokenizer, grammar: str) -> LLMatcher:
+        """A matcher at the start of grammar: the compiled grammar, which matchers copy."""
+        key = (id(ll), grammar)
+        with self.lock:
+            if key in self.kept:
+                self.kept.move_to_end(key)
+                return self.kept[key]
+        matcher = LLMatcher(ll, grammar, log_level=0, limits=LIMITS)
+        if matcher.is_error():
+            raise ValueError(UNIMPLEMENTED.sub(unsupported, matcher.get_error()))
+        with self.lock:
+            if key not in self.kept:
+                self.kept[key] = matcher
+                self.bytes += len(grammar)
+            while len(self.kept) > self.entries or (self.bytes > self.max_bytes and len(self.kept) > 1):
+                (_, dropped), _ = self.kept.popitem(last=False)
+                self.bytes -= len(dropped)
+        return matcher
+
+
+compiled = GrammarCache()
 
 
 UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")  # llguidance's words for the keywords it lacks

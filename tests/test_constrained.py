@@ -13,9 +13,10 @@ import re
 import jsonschema
 import openai
 import pytest
-from llguidance import LLParserLimits
+from llguidance import LLMatcher, LLParserLimits
 
 import api
+import constraint_fields
 import llama2
 import native_api
 import openai_api
@@ -173,7 +174,7 @@ def test_min_tokens_never_leaves_no_token(llama):
 def test_n_choices_each_with_its_own_matcher(engine):
     body = {"prompt": "He said", "n": 8, "seed": 11, "temperature": 1.0, "top_p": 1.0, "max_tokens": 20,
             "guided_choice": CHOICES}
-    req = openai_api.parse("completions", body, "llama", Limits(), Defaults(), engine.matcher)
+    req = openai_api.parse("completions", body, "llama", Limits(), Defaults())
     prompts = api.sequences(req, engine.tokenizer, engine.max_seq_len, Limits(), Defaults())
     seqs = [engine.add(tokens, p) for tokens, p in prompts]
     while engine.running:
@@ -224,10 +225,8 @@ BREAKS = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
 
 @pytest.fixture
 def small_lexer(monkeypatch):
-    structured.compiled.cache_clear()  # grammars compiled meanwhile are the small lexer's
+    monkeypatch.setattr(structured, "compiled", structured.GrammarCache())  # grammars compiled meanwhile are the small lexer's
     monkeypatch.setattr(structured, "LIMITS", LLParserLimits(max_lexer_states=50, verbose_errors=False))
-    yield
-    structured.compiled.cache_clear()
 
 
 def test_a_grammar_that_breaks_mid_answer_ends_with_error(engine, small_lexer):
@@ -346,10 +345,14 @@ ASKED = [  # (route, body fields, the constraint)
 
 
 def parse(route: str, fields: dict, matcher):
+    """The request as the server reads it: parsed, then its constraint compiled."""
     if route == "native":
-        return native_api.parse({"prompt": "Hi"} | fields, Limits(), Defaults(), matcher)
-    inputs = {"messages": [{"role": "user", "content": "Hi"}]} if route == "chat" else {"prompt": "Hi"}
-    return openai_api.parse(route, inputs | fields, "llama", Limits(), Defaults(), matcher)
+        req = native_api.parse({"prompt": "Hi"} | fields, Limits(), Defaults())
+    else:
+        inputs = {"messages": [{"role": "user", "content": "Hi"}]} if route == "chat" else {"prompt": "Hi"}
+        req = openai_api.parse(route, inputs | fields, "llama", Limits(), Defaults())
+    constraint_fields.compile_constraints(req, matcher)
+    return req
 
 
 @pytest.mark.parametrize("route, fields, constraint", ASKED)
@@ -387,6 +390,10 @@ REFUSED = [  # (route, body fields, param, what the message says)
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format",
      r"must be an object with the schema"),
     ("native", {"guided_regex": "a"}, "guided_regex", r"unknown fields \['guided_regex'\]"),
+    ("chat", {"guided_choice": [str(i) for i in range(4097)]}, "guided_choice",
+     r"^guided_choice is not a valid list of choices: 4097 choices, more than the 4096 this server compiles$"),
+    ("completions", {"guided_regex": "a" * 70000}, "guided_regex",
+     r"^guided_regex is not a valid regular expression: 70000 bytes, more than the 65536 this server compiles$"),
 ]
 
 
@@ -440,3 +447,21 @@ def test_openai_client(server, client):
     assert e.value.body["param"] == "guided_regex" and "unclosed group" in e.value.body["message"]
     native = server.generate({"prompt": "He said", "structured_outputs": {"regex": "(yes|no)!"}, "seed": 2})
     assert native["generation"] in ("yes!", "no!") and native["finish_reason"] == "stop"
+
+
+def test_the_grammar_cache_is_bounded_in_bytes(llama):
+    """Compiled grammars are kept by their text, the least recently used dropped first once
+    their texts pass the cache's bytes (or entries)."""
+    ll = structured.vocabulary(llama.tokenizer, llama.runner.vocab_size).ll
+    grammars = [LLMatcher.grammar_from_regex(f"[0-9]{{{n}}}" + "x" * 400) for n in range(1, 7)]
+    cache = structured.GrammarCache(entries=8, max_bytes=3 * len(grammars[0]))
+    first = cache(ll, grammars[0])
+    assert cache(ll, grammars[0]) is first  # kept
+    for grammar in grammars[1:]:
+        cache(ll, grammar)
+    assert cache.bytes <= cache.max_bytes and len(cache.kept) == 3
+    assert (id(ll), grammars[-1]) in cache.kept and (id(ll), grammars[0]) not in cache.kept
+    many = structured.GrammarCache(entries=2, max_bytes=1 << 20)
+    for grammar in grammars:
+        many(ll, grammar)
+    assert [g for _, g in many.kept] == grammars[-2:]

@@ -105,3 +105,15 @@ def test_a_bug_is_a_500_naming_the_request_id_only(engine, monkeypatch, caplog):
         "type": "server_error", "param": None, "code": 500}
     logged, = [r for r in caplog.records if r.getMessage() == "cannot read request req-1"]
     assert "secret internal detail" in logged.exc_text  # the log has the exception, the answer does not
+
+
+def test_a_grammar_is_compiled_after_every_cheap_check(engine, monkeypatch):
+    """Compiling is the costly check, so it comes last: a request refused for its prompt's
+    length compiles nothing, and one that passes compiles its schema once."""
+    compiled = []
+    monkeypatch.setattr(engine, "matcher", compiled.append)
+    too_long = schema_body({"type": "object"}) | {"messages": [{"role": "user", "content": "word " * 600}]}
+    status, error = refused(engine, too_long)
+    assert status == 400 and error["param"] == "messages" and not compiled, error
+    read = InFlight(engine, Limits(), Defaults(), "llama").read("req-2", CHAT, json.dumps(schema_body({})).encode())
+    assert not isinstance(read, api.Message) and [c.kind for c in compiled] == ["json_schema"]
