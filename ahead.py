@@ -20,7 +20,7 @@ def runs_ahead(seq: Sequence) -> bool:
     that picks it reads the tokens on the host (penalties, a grammar, min_tokens still to
     reach), and no logprobs are due with it. (Speculation proposes from the host's tokens:
     an engine never runs ahead with it.)"""
-    return (seq.matcher is None and seq.counts is None
+    return (seq.params.constraint is None and seq.counts is None
             and not seq.params.logprobs and len(seq.tokens) >= seq.params.min_tokens)
 
 

@@ -8,8 +8,9 @@ samples among the tokens its grammar allows, a mask computed on the CPU while th
 pass runs, and ends when the grammar is complete.
 
 Every tensor-parallel rank must make the same calls in the same order: the scheduler
-decides alike on every rank, and the sampled tokens are broadcast from rank 0 (which alone
-computes grammar masks; every rank's matchers consume the same tokens).
+decides alike on every rank, and the sampled tokens are broadcast from rank 0, which alone
+compiles grammars and computes their masks: with a constrained sequence's token goes what it
+did to the grammar (went on, completed it, broke it), so that every rank ends it alike.
 
 A server runs the steps on the engine's own thread (start, then wait), so that they
 overlap what it does meanwhile; run() and step() work on the caller's thread too, and an
@@ -29,7 +30,7 @@ from batch import Batch
 from kv_cache import BlockPool
 from sampler import adjust_logits, sample, token_logprobs
 from scheduler import Scheduler, Work
-from sequence import SamplingParams, Sequence
+from sequence import GOES_ON, SamplingParams, Sequence
 from speculative import Speculation
 from structured import Constraint, Matcher
 from tokenizer import TextStream
@@ -114,7 +115,7 @@ class Engine:
             seq.counts = torch.zeros(vocab, device=self.device)
             seq.seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
             seq.seen[seq.prompt_tokens] = True
-        if p.constraint is not None:
+        if p.constraint is not None and collectives.tp_world()[0] == 0:
             seq.matcher = self.matcher(p.constraint)
 
     @functools.cached_property
@@ -341,9 +342,12 @@ class Engine:
             drafts = [s.draft[depth] if depth < len(s.draft) else None for s in group]
             raw = logits[[rows[i] + depth for i in going]]
             next_tokens = sample(adjust_logits(raw, group, bitmask), group)
+            grammar = grammar_verdicts(group, next_tokens)
             if collectives.tp_world()[1] > 1:
-                collectives.broadcast(next_tokens, src=0)
-            self.append_all(group, raw, next_tokens)
+                collectives.broadcast(next_tokens if grammar is None else grammar, src=0)
+                if grammar is not None:
+                    next_tokens = grammar[0]
+            self.append_all(group, raw, next_tokens, grammar)
             going = [i for i, draft, token in zip(going, drafts, next_tokens.tolist())
                      if draft == token and not seqs[i].done]
             for i in going:
@@ -355,16 +359,29 @@ class Engine:
                 if seq.draft:
                     self.speculation.record(seq, n)
 
-    def append_all(self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor):
-        """Append each sequence's token, with its logprobs where asked for."""
+    def append_all(self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor,
+                   grammar: torch.Tensor | None = None):
+        """Append each sequence's token, with its logprobs where asked for, and what it did to
+        its grammar (grammar_verdicts)."""
         asked = [s.params.top_logprobs for s in seqs if s.params.logprobs]
         if asked:
             chosen, top = token_logprobs(logits, tokens, max(asked))
+        verdicts = [GOES_ON] * len(seqs) if grammar is None else grammar[1].tolist()
         for i, (s, token) in enumerate(zip(seqs, tokens.tolist())):
             if s.params.logprobs:
-                s.append(token, chosen[i], top[i][:s.params.top_logprobs])
+                s.append(token, chosen[i], top[i][:s.params.top_logprobs], grammar=verdicts[i])
             else:
-                s.append(token)
+                s.append(token, grammar=verdicts[i])
+
+
+def grammar_verdicts(seqs: list[Sequence], tokens: torch.Tensor) -> torch.Tensor | None:
+    """(2, len(seqs)): the tokens, and what each did to its sequence's grammar (rank 0's
+    Sequence.grammar_verdict; zeros on the other ranks, which get rank 0's); None when no
+    sequence is constrained."""
+    if all(s.params.constraint is None for s in seqs):
+        return None
+    verdicts = [s.grammar_verdict(token) for s, token in zip(seqs, tokens.tolist())]
+    return torch.stack([tokens, torch.tensor(verdicts, dtype=tokens.dtype, device=tokens.device)])
 
 
 def filled(bitmask: torch.Tensor, rows: list[tuple[Matcher, int]]) -> torch.Tensor:

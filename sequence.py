@@ -10,6 +10,10 @@ from structured import Constraint, Matcher
 from tokenizer import TextStream
 
 
+# What a sampled token does to its sequence's grammar (Sequence.grammar_verdict)
+GOES_ON, COMPLETE, BROKE = 0, 1, 2
+
+
 @dataclass
 class SamplingParams:
     max_gen_len: int
@@ -56,7 +60,7 @@ class Sequence:
     prompt_top_logprobs: list[list] = field(default_factory=list)
     stream: TextStream | None = None  # turns tokens into text (set by Engine.add)
     text: str = ""  # the generation's text so far, cut before a stop string
-    finish_reason: str | None = None  # "stop", "length", or "error": its grammar broke (grammar_broke)
+    finish_reason: str | None = None  # "stop", "length", or "error": its grammar broke (grammar_verdict)
     emitted: int = 0  # characters of text already handed out by new_text()
     stop_ends: "StopEnds | None" = None  # how much of each stop string text ends in
     # sampling state (set by Engine.add): the ids that end it, and (vocab,) tensors where
@@ -65,7 +69,9 @@ class Sequence:
     bias: torch.Tensor | None = None
     counts: torch.Tensor | None = None
     seen: torch.Tensor | None = None
-    matcher: Matcher | None = None  # with params.constraint: where the tokens so far are in its grammar
+    # with params.constraint, on rank 0 (which computes the masks and says when a grammar
+    # ends, for every rank): where the tokens so far are in its grammar
+    matcher: Matcher | None = None
     table: BlockTable | None = None  # set by the engine's scheduler
     cached: int = 0  # tokens whose keys and values are in the cache
     ahead: int = 0  # tokens sampled whose ids are still on the device (asynchronous scheduling)
@@ -106,13 +112,14 @@ class Sequence:
             return self.tokens[start - n:end - n]
         return self.prompt_tokens[start:end] + self.tokens[:max(0, end - n)]
 
-    def append(self, token: int, logprob: float | None = None, top: list | None = None):
+    def append(self, token: int, logprob: float | None = None, top: list | None = None, grammar: int = GOES_ON):
         """A sampled token (with its logprob and top logprobs where asked for): its text, the
-        sampling state it changes (penalties' counts, the grammar), and the end it may bring."""
+        sampling state it changes (penalties' counts), and the end it may bring. grammar: what
+        the token did to its grammar (grammar_verdict, rank 0's on every rank)."""
         offset = len(self.text)  # where its text starts (a character it ends is held back until then)
         if token in self.stop_ids:
             self.stop_token = token
-            self.finish("error" if self.grammar_broke() else "stop")
+            self.finish("error" if grammar == BROKE else "stop")
             offset = len(self.text)  # it adds no text
         else:
             self.tokens.append(token)
@@ -120,11 +127,10 @@ class Sequence:
                 self.counts[token] += 1
                 self.seen[token] = True
             self.add_text(self.stream.add(token))
-            # every rank's matcher consumes the token: they agree on when the grammar ends
-            if self.matcher is not None and not self.matcher.consume(token):
+            if grammar == BROKE:
                 self.finish("error")  # a token the grammar refuses, or a limit of its parser reached
-            elif self.matcher is not None and self.matcher.is_finished():
-                self.finish("stop")  # complete: nothing but a stop id could follow
+            elif grammar == COMPLETE:
+                self.finish("stop")  # nothing but a stop id could follow
             elif len(self.tokens) >= self.params.max_gen_len:
                 self.finish("length")
         if logprob is not None:
@@ -140,10 +146,17 @@ class Sequence:
         if not self.done:
             self.finish_reason = reason
 
-    def grammar_broke(self) -> bool:
-        """Whether its grammar failed: a parser limit reached while computing its mask (rank
-        0's, which then allows stop ids alone), or a token refused."""
-        return self.matcher is not None and bool(self.matcher.error())
+    def grammar_verdict(self, token: int) -> int:
+        """What token does to its grammar (rank 0's matcher, which consumes it): GOES_ON,
+        COMPLETE, or BROKE (a token refused, or a parser limit reached: computing the mask,
+        after which only stop ids are allowed, or consuming the token)."""
+        if self.matcher is None:
+            return GOES_ON
+        if token in self.stop_ids:
+            return BROKE if self.matcher.error() else GOES_ON
+        if not self.matcher.consume(token):
+            return BROKE
+        return COMPLETE if self.matcher.is_finished() else GOES_ON
 
     @property
     def sampled(self) -> list[int]:

@@ -208,8 +208,9 @@ def internal_error(req_id: str) -> RequestError:
 
 
 def grammar_error(seq) -> str:
-    """Why seq's grammar broke, as llguidance says it (first line)."""
-    lines = seq.matcher.error().replace("<non-verbose/>", "").strip().splitlines()
+    """Why seq's grammar broke, as llguidance says it (first line; rank 0's matcher: the other
+    ranks hold none, and their messages are never sent)."""
+    lines = seq.matcher.error().replace("<non-verbose/>", "").strip().splitlines() if seq.matcher else []
     return lines[0] if lines else "a token it refuses"
 
 

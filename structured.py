@@ -132,7 +132,7 @@ class GrammarCache:
     past GRAMMAR_CACHE_ENTRIES entries or GRAMMAR_CACHE_BYTES of grammar text."""
 
     def __init__(self, entries: int = GRAMMAR_CACHE_ENTRIES, max_bytes: int = GRAMMAR_CACHE_BYTES):
-        self.entries, self.max_bytes, self.bytes = entries, max_bytes, 0
+        self.entries, self.max_bytes, self.bytes, self.hits = entries, max_bytes, 0, 0
         self.kept: OrderedDict[tuple[int, str], LLMatcher] = OrderedDict()
         self.lock = threading.Lock()  # rank 0 compiles on the request thread, other ranks on the engine's
 
@@ -142,6 +142,7 @@ class GrammarCache:
         with self.lock:
             if key in self.kept:
                 self.kept.move_to_end(key)
+                self.hits += 1
                 return self.kept[key]
         matcher = LLMatcher(ll, grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():

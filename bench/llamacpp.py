@@ -233,6 +233,7 @@ def our_server(path: str, quant: str | None, threads: int, compiled: bool):
     with tempfile.TemporaryDirectory() as tmp:
         handler = {"max_seq_len": 512, "compile": compiled} | ({"quantization": quant} if quant else {})
         server = start_server(tmp, None, tp=1, batch_size=8, threads=threads, env={"TORCHINDUCTOR_CACHE_DIR": cache_dir()},
+                              timeout=1200,  # a first compile takes minutes
                               handler=handler | {"checkpoint": path, "tokenizer": path})
         try:
             yield server.url + "/predictions/llama/1.0/v1/completions", {"Authorization": f"Bearer {server.key}"}

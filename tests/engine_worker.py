@@ -16,6 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+import structured
 from engine import Engine
 from sequence import SamplingParams
 from speculative import DraftProposer, NgramProposer, Speculation
@@ -77,7 +78,8 @@ def constrained(llama) -> dict:
     while engine.running:
         engine.step()
     return {"tokens": [s.tokens for s in seqs], "texts": [s.text for s in seqs],
-            "finish_reasons": [s.finish_reason for s in seqs], "greedy": [t == 0 for _, t in settings]}
+            "finish_reasons": [s.finish_reason for s in seqs], "greedy": [t == 0 for _, t in settings],
+            "matchers": sum(s.matcher is not None for s in seqs), "compiled": len(structured.compiled.kept)}
 
 
 PASSAGE = ("The old lighthouse keeper climbed the stairs every evening, lit the lamp, and watched the ships "

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import gguf
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F

@@ -231,7 +231,7 @@ def small_lexer(monkeypatch):
 
 def test_a_grammar_that_breaks_mid_answer_ends_with_error(engine, small_lexer):
     seq, = generate(engine, [(PROMPT, params(Constraint("json_schema", BREAKS), seed=0))])
-    assert seq.finish_reason == "error" and seq.grammar_broke(), seq.text
+    assert seq.finish_reason == "error" and seq.matcher.error(), seq.text
     assert seq.stop_token in engine.tokenizer.stop_ids and seq.text.startswith('{"n": ')  # cut inside it
     with pytest.raises(json.JSONDecodeError):
         json.loads(seq.text)
@@ -241,10 +241,11 @@ def test_a_token_the_grammar_refuses_ends_with_error(engine):
     tok = engine.tokenizer
     seq = engine.add(tok.encode("Digits:", bos=True, eos=False), params(Constraint("regex", "[0-9]+")))
     seven, = engine.vocabulary.ll.tokenize_str("7")
-    seq.append(seven)
+    seq.append(seven, grammar=seq.grammar_verdict(seven))
     assert not seq.done
-    seq.append(engine.vocabulary.ll.tokenize_str("x")[0])
-    assert seq.finish_reason == "error" and seq.grammar_broke()
+    x = engine.vocabulary.ll.tokenize_str("x")[0]
+    seq.append(x, grammar=seq.grammar_verdict(x))
+    assert seq.finish_reason == "error" and seq.matcher.error()
     engine.release(seq)
 
 
@@ -305,11 +306,12 @@ def test_a_broken_grammar_is_an_error_the_client_sees_and_the_log_has_once(engin
 
 @pytest.mark.slow  # torchrun ranks
 def test_tp2_ranks_agree(llama, tmp_path):
-    """At TP=2 rank 0 alone computes masks; every rank's matchers consume its tokens, so the
-    ranks end the same sequences at the same step with the same text, and greedy answers
-    equal TP=1's."""
+    """At TP=2 rank 0 alone compiles grammars and computes masks, and sends with each token
+    what it did to the grammar, so the ranks end the same sequences at the same step with
+    the same text, and greedy answers equal TP=1's."""
     tp2, other = (rank["constrained"] for rank in run("engine_worker.py", 2, tmp_path, DEMO, "constrained"))
     tp1 = constrained(llama)
+    assert (tp2.pop("matchers"), tp2.pop("compiled")) == (8, 4) and (other.pop("matchers"), other.pop("compiled")) == (0, 0)
     assert tp2 == other
     for key in ("tokens", "texts", "finish_reasons"):
         assert [v for v, greedy in zip(tp2[key], tp1["greedy"]) if greedy] == \

@@ -236,7 +236,7 @@ def test_sampling_keeps_the_distribution(llama, float_draft, unspeculated, metho
 
 @pytest.mark.parametrize("speculative, problem", [
     ({"method": "eagle"}, "handler.speculative.method must be off, ngram or draft, got 'eagle'"),
-    ({"method": "ngram", "k": 0}, "handler.speculative.k must be a whole number >= 1, got 0"),
+    ({"method": "ngram", "k": 0}, "handler.speculative.k must be a whole number from 1 to 32, got 0"),
     ({"method": "ngram", "ngram_min": 3, "ngram_max": 2}, "handler.speculative.ngram_max must be at least ngram_min 3, got 2"),
     ({"method": "draft"}, "handler.speculative.draft must be given with method draft"),
     ({"method": "ngram", "speed": 2}, "handler.speculative: unknown keys ['speed']"),

@@ -106,9 +106,9 @@ def test_compiled_grammars_are_cached(tokenizers):
     vocabulary = vocabulary_of(tokenizers["hf"])
     constraint = Constraint("regex", "cached [0-9]+")
     vocabulary.matcher(constraint)
-    hits = structured.compiled.cache_info().hits
+    hits = structured.compiled.hits
     a, b = vocabulary.matcher(constraint), vocabulary.matcher(Constraint("regex", "cached [0-9]+"))
-    assert structured.compiled.cache_info().hits == hits + 2
+    assert structured.compiled.hits == hits + 2
     assert a.consume(vocabulary.ll.tokenize_str("c")[0])
     assert mask_of(tokenizers["hf"], a) != mask_of(tokenizers["hf"], b)  # copies, not one matcher
 

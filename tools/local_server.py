@@ -190,10 +190,10 @@ class Server:
         return [json.loads(line) for line in r.iter_lines() if line]
 
 
-def start_server(workdir, weights, tp: int = 2, env: dict | None = None, **build) -> Server:
+def start_server(workdir, weights, tp: int = 2, env: dict | None = None, timeout: float = 300, **build) -> Server:
     server = Server(str(workdir), tp, env)
     try:
-        return server.build(weights, **build).start()
+        return server.build(weights, **build).start(timeout)
     except BaseException:
         if os.path.exists(os.path.join(server.workdir, "torchserve.out")):
             print(open(os.path.join(server.workdir, "torchserve.out")).read()[-3000:])
