@@ -188,7 +188,7 @@ def count_tokens(body, tokenizer, model_name: str, limits: Limits) -> dict:
     api.check_model(body, model_name, required=True)
     req = Request("messages", chat=True, input_field="messages", sampling={"constraint": None})
     messages = api.check_text(dialog(body, limits), "messages", "messages")
-    client_tools(req, body, None)
+    client_tools(req, body)
     try:
         return {"input_tokens": len(chat_format.encode_dialog(tokenizer, messages, req.tools or None))}
     except ValueError as e:  # a rule of the chat format

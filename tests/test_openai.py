@@ -131,7 +131,8 @@ def test_chat_logprobs_equal_native(server, client):
     chat = client.chat.completions.create(model="llama", messages=MESSAGES, max_tokens=8, temperature=0,
                                           logprobs=True).choices[0]
     assert [c.token for c in chat.logprobs.content] == native["tokens"]
-    assert [c.logprob for c in chat.logprobs.content] == pytest.approx(native["logprobs"], abs=1e-6)
+    # abs 1e-5: float32 sums differ by a few ulps with the rows that other tests' requests batch alongside
+    assert [c.logprob for c in chat.logprobs.content] == pytest.approx(native["logprobs"], abs=1e-5)
 
 
 def test_models(client):
