@@ -66,6 +66,7 @@ class Engine:
         # grammar masks are computed here while the forward pass runs (llguidance leaves the GIL)
         self.masker = ThreadPoolExecutor(1, thread_name_prefix="masks")
         self.pace = 0.0  # seconds per step in the last run(), 0 before the first
+        self.long_step = False  # the last step computed a chunk of a prompt beside tokens for others (run)
         if async_scheduling and speculation:
             raise ValueError("asynchronous scheduling cannot run with speculation: "
                              "proposals come from the host's tokens")
@@ -157,8 +158,10 @@ class Engine:
         """Up to max_steps steps; given seconds, only as many as fit in that time at the
         pace of the last run's steps, but at least min_steps. Fewer when a step gives a
         sequence its first token or ends one (whoever waits for it hears at once) or leaves
-        nothing to run. The same on every rank: the count is rank 0's, and the rest depends
-        on the sequences only. Returns the steps taken. With asynchronous scheduling, the last
+        nothing to run, or after a step that computed a chunk of a prompt beside tokens for
+        others (a long step: their tokens go out now, so that a long prompt's arrival does not
+        hold the streams for several such steps). The same on every rank: the count is rank
+        0's, and the rest depends on the sequences only. Returns the steps taken. With asynchronous scheduling, the last
         step's tokens may still be on the device when it returns (a server's iteration of one
         step still overlaps the host's work): the next run's first step appends them, and a
         sequence ended by one of them ends then."""
@@ -168,7 +171,8 @@ class Engine:
         n = 0
         while n < max_steps:
             n += 1
-            if self.step() or not self.running:
+            self.long_step = False
+            if self.step() or not self.running or self.long_step:
                 break
         self.pace = (time.perf_counter() - begin) / n
         return n
@@ -207,6 +211,7 @@ class Engine:
         to_sample = [(w.seq, last - 1 - len(w.seq.draft)) for w, (_, last) in zip(work, rows)
                      if completes(w) and w.seq.params.max_gen_len]
         seqs, sample_rows = [s for s, _ in to_sample], [row for _, row in to_sample]
+        self.long_step = bool(seqs) and not all(map(completes, work))
         deferred = self.async_scheduling and all(map(runs_ahead, seqs))
         masks = None if deferred else self.start_masks(seqs)
         logits = self.runner.forward_batch(batch)

@@ -256,6 +256,28 @@ def test_run_takes_the_steps_that_fit_in_its_time():
     assert engine.run(16, seconds=1e-9, min_steps=4) == 4
 
 
+
+def test_a_run_ends_after_a_step_that_chunks_a_prompt_beside_streams():
+    """A long prompt's chunks make long steps: a run ends after each one that also gave the
+    decoding sequences their tokens, so that they go out at once; a long prompt alone, or
+    decoding alone, runs on."""
+    llama = demo()
+    engine = Engine(llama.runner, llama.tokenizer, max_batched_tokens=16)
+    params = SamplingParams(max_gen_len=64, temperature=0, ignore_eos=True)
+    long_prompt = llama.tokenizer.encode(SYSTEM * 4, bos=True, eos=False)
+    assert len(long_prompt) > 64
+    engine.add(long_prompt, params)
+    assert engine.run(16) == -(-len(long_prompt) // 16)  # alone: its chunks, up to its first token
+    streams = [engine.add(llama.tokenizer.encode(q, bos=True, eos=False), params) for q in ("Hi", "Yes")]
+    while not all(s.tokens for s in streams):
+        engine.step()
+    assert engine.run(16) == 16  # decoding alone
+    engine.add(long_prompt[::-1], params)
+    assert engine.run(16) == 1 and engine.long_step  # a chunk beside the streams' tokens
+    tokens = [len(s.tokens) for s in streams]
+    assert engine.run(16) == 1 and [len(s.tokens) for s in streams] == [t + 1 for t in tokens]
+
+
 @pytest.mark.slow
 def test_tp2_ranks_decide_alike_and_match_tp1(results, tmp_path):
     """At TP=2 the ranks' schedulers decide alike and give TP=1's tokens; in run(16, seconds),
