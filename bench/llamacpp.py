@@ -324,7 +324,8 @@ def main():
             for quant in (None, "int8", "int4"):
                 lines.append(row(f"QUANT={quant or 'none'}", theirs, ours("decode", SMOLLM2, quant, a.threads, "eager")))
             print("\n".join(lines[-5:]), flush=True)
-    text = (f"{report.header()}; `python bench/llamacpp.py {' '.join(sys.argv[1:])}` at "
+    text = (f"## llama.cpp\n\nSmolLM2-135M-Instruct's GGUF file served by llama.cpp and by us, side by side. "
+            f"{report.header()}; `python bench/llamacpp.py {' '.join(sys.argv[1:])}` at "
             f"{report_revision()}.\n\nllama.cpp: `llama-bench -m FILE -t T -p 0 -n 128` (decode), `-p 512 -n 0` "
             f"(prefill), `llama-perplexity -m FILE -f {os.path.relpath(TEXT, ROOT)} -c {a.ctx} -b {a.ctx}`, "
             f"`llama-server -m FILE -t {a.threads} -np 8 -c 4096`; built by `make llamacpp` (llama-cpp-python 0.3.36's "
