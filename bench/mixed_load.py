@@ -43,6 +43,7 @@ CHOICES = ["yes", "no", "maybe so"]
 WEATHER = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string", "maxLength": 20}}}
 PROMPTS = ["Tell me about the sea.", "Write a short poem about rain.", "What is the capital of France?",
            "Invent a person.", "Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox"]
+NATIVE = "/predictions/llama"
 CHAT = "/predictions/llama/1.0/v1/chat/completions"
 COMPLETIONS = "/predictions/llama/1.0/v1/completions"
 MESSAGES = "/predictions/llama/1.0/v1/messages"
@@ -80,6 +81,8 @@ def request(rng: random.Random) -> tuple[str, str, dict, object]:
         return kind, COMPLETIONS, {"prompt": prompt, "max_tokens": 24, "n": n, "temperature": 0.9, **seed}, ("n", n)
     if kind == "messages":
         return kind, MESSAGES, {"model": "llama", "max_tokens": 40, "messages": user, **sampling}, ("messages", None)
+    if kind == "plain":
+        return kind, NATIVE, {"prompt": prompt, "max_new_tokens": 40, **sampling}, ("plain", None)
     if kind == "cancel":
         return kind, CHAT, {"messages": user, "max_tokens": 120, "stream": True, **sampling}, ("cancel", rng.randint(1, 4))
     bad = rng.choice([{"messages": user, "temperature": 5}, {"messages": "hi"}, {"messages": user, "max_tokens": -1},
@@ -100,6 +103,8 @@ def judge(check, status: int, answer) -> str | None:
         return f"{status}: {str(answer)[:200]}"
     if what == "cancel":
         return None
+    if what == "plain":
+        return None if isinstance(answer.get("generation"), str) else f"no generation: {str(answer)[:200]}"
     if what == "messages":
         return None if answer.get("type") == "message" else f"not a message: {str(answer)[:200]}"
     choices = answer["choices"]
@@ -155,11 +160,13 @@ def main():
     from local_server import start_server
 
     path = CHECKPOINTS[a.checkpoint]
-    handler = {"checkpoint": path, "speculative": {"method": "ngram"}, "max_seq_len": 512}
+    handler = {"speculative": {"method": "ngram"}, "max_seq_len": 512}
+    weights = path  # a folder goes into the archive; a GGUF file is read in place
     if path.endswith(".gguf"):
-        handler["tokenizer"] = path
+        handler |= {"checkpoint": path, "tokenizer": path}
+        weights = None
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_server(tmp, None, tp=1, batch_size=8, threads=a.threads, handler=handler, timeout=900)
+        server = start_server(tmp, weights, tp=1, batch_size=8, threads=a.threads, handler=handler, timeout=900)
         try:
             url, headers = server.url, {"Authorization": f"Bearer {server.key}"}
             pids = server.worker_pids()
@@ -210,6 +217,8 @@ def main():
              f"| workers restarted | {'no' if same_workers else 'yes'} |",
              f"| workers' resident memory after the first minute: first / last / most (MB) | "
              f"{after_minute[0] / 2**20:.0f} / {after_minute[-1] / 2**20:.0f} / {max(after_minute) / 2**20:.0f} |",
+             "", "Workers' resident memory at each minute (MB): " + ", ".join(
+                 f"{b / 2**20:.0f}" for t, b in rss if int(t / 5) % 12 == 0) + ".",
              "", "Requests by kind and status: " + ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())) + "."]
     if problems:
         lines += ["", "First problems: " + "; ".join(problems[:5])]
