@@ -108,7 +108,7 @@ bench: .venv/.test
 	$(PY) bench/decode.py
 
 bench-serving: .venv/.test
-	$(PY) bench/serving.py --compare
+	$(PY) bench/serving_load.py --compare
 
 clean:
 	rm -rf build model_store logs key_file.json .pytest_cache

@@ -44,6 +44,11 @@ def load(config: ServingConfig, model_dir: str, batch_size: int, world_size: int
         engine.wait()
         progress("compiled the decode step", seconds=round(time.perf_counter() - start, 1))
     else:
+        if runner.may_use_flex():  # its kernel compiled now, not in the first long step (a 13 s stall)
+            start = time.perf_counter()
+            engine.start(runner.warm_up)
+            engine.wait()
+            progress("compiled FlexAttention's kernel", seconds=round(time.perf_counter() - start, 1))
         progress("not compiled (handler.compile: false)")
     return engine, run
 

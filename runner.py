@@ -105,6 +105,11 @@ class ModelRunner:
         """Whether auto considers flex here (measured on CPU only so far)."""
         return self.device.type != "cuda"
 
+    def may_use_flex(self) -> bool:
+        """Whether a step may attend with FlexAttention, which is compiled at its first use
+        (13 s here, eager or not): warm_up compiles it when the worker loads."""
+        return self.attention == "flex" or (self.attention == "auto" and self.flex_may_pay())
+
     @torch.inference_mode()
     def bucketed_decode(self, batch: Batch, rows: int | None = None, width: int | None = None,
                         padding_position: int = 0):
@@ -173,6 +178,7 @@ class ModelRunner:
         chosen = self.attention
         for self.attention in ("flex", "sdpa") if chosen == "auto" and self.flex_may_pay() else (chosen,):
             self(tokens, 0)
+            self(tokens[:1, :2], length - 2)  # a chunk after cached tokens
             for pos in (1, length):
                 self(tokens[:1, :1], pos)
                 if rows > 1:

@@ -22,7 +22,7 @@ import tempfile
 import time
 
 import report
-import serving
+import serving_load as serving
 
 ROOT = serving.ROOT
 SHAPES = {"26M": (512, 8, 8), "110M": (768, 12, 12)}  # dim, layers, heads: bench/decode.py's

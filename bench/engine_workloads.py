@@ -1,9 +1,9 @@
 """The serving engine's workloads, each against a reference measured in the same run, on
 private TorchServes (tools/local_server.py) serving one random Llama (TP=2 on CPU):
 
-    python bench/serving.py --engine [--baseline COMMIT] [--parts today shared memory long sweep single]
+    python bench/serving_load.py --engine [--baseline COMMIT] [--parts today shared memory long sweep single]
 
-- today: 64 streamed requests without a shared prefix, 8 clients (bench/serving.py's load,
+- today: 64 streamed requests without a shared prefix, 8 clients (bench/serving_load.py's load,
   idle and busy TTFT) on the baseline (the engine before the paged KV cache: --baseline,
   built from that commit), on this engine with its steps overlapping TorchServe's round
   trip, one per iteration (handler.overlap true: a GPU's default), and on this engine as
@@ -40,7 +40,7 @@ import requests
 
 import report
 from report import checkout
-import serving
+import serving_load as serving
 import collectives
 from serving_config import IN_TURN_SECONDS, IN_TURN_STEPS, default_token_budget
 
@@ -119,7 +119,7 @@ def today(a, tmp, ckpt, baseline, bodies) -> dict:
 
 
 def text_of(n_tokens: int) -> str:
-    """English text of n_tokens tokens (bench/serving.py's prose, repeated)."""
+    """English text of n_tokens tokens (bench/serving_load.py's prose, repeated)."""
     tok = tokenizer()
     ids = tok.encode(" ".join([serving.PROSE] * (1 + n_tokens // 500)), bos=False, eos=False)
     return tok.decode(ids[:n_tokens])
@@ -410,7 +410,7 @@ def section(a, r: dict, argv: list[str]) -> str:
     model = r["model"]
     out = [f"""## Serving engine: paged KV cache, prefix caching, chunked prefill, steps per iteration
 
-`{' '.join(['python', 'bench/serving.py'] + argv)}` — {report.header()}, TorchServe {ts.__version__}; commit \
+`{' '.join(['python', 'bench/serving_load.py'] + argv)}` — {report.header()}, TorchServe {ts.__version__}; commit \
 {r['revision']}; baseline: commit {r['baseline']} (the engine before the paged KV cache, one KV-cache row per \
 request, one prefill per admission, one step per iteration), built into its own archive and served the same way.
 

@@ -5,7 +5,7 @@
 Each round starts a private TorchServe (tools/local_server.py: TP=2, batchSize 8, the
 handler's settings as configured) on the baseline's files (from `git archive`) and one on
 this tree's, one after the other (which goes first alternates from round to round), on the
-same random Llama (bench/serving.py's ~21M shape), after a warm-up server that is not
+same random Llama (bench/serving_load.py's ~21M shape), after a warm-up server that is not
 measured. Each server measures a single stream (128 new tokens, greedy, EOS off: its decode
 tokens/s after the first token, median of 5) and 8 clients (64 streamed requests of 16-64
 prompt and 64 new tokens: output tokens/s). The medians over rounds are compared, and so
@@ -23,7 +23,7 @@ import tempfile
 import time
 
 import report
-import serving
+import serving_load as serving
 from engine_workloads import read_gauge, served
 from report import checkout
 

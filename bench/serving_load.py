@@ -3,14 +3,14 @@ against a running server, timed from the arrival of each streamed chunk.
 
 Against any running server (native JSON API, `stream: true`):
 
-    python bench/serving.py --url http://127.0.0.1:8080 --key-file key_file.json \\
+    python bench/serving_load.py --url http://127.0.0.1:8080 --key-file key_file.json \\
         --num-requests 64 --concurrency 8 [--request-rate 4] [--idle-requests 16]
 
 Side by side, on private TorchServes that it starts and stops itself (tools/local_server.py):
 continuous batching (batchSize 8) against one request at a time (batchSize 1), same random
 ~21M-parameter Llama, same TP, same requests; writes its table into BENCHMARKS.md:
 
-    python bench/serving.py --compare
+    python bench/serving_load.py --compare
 
 Metrics, as vLLM defines them:
   TTFT  time to first token: from sending the request to the first streamed chunk.
@@ -500,7 +500,7 @@ def section(a, result: dict, argv: list[str]) -> str:
     spread = " (one idle request's latency)" if a.ramp_up is None else ""
     return f"""## Serving: continuous batching against one request at a time
 
-`{' '.join(['python', 'bench/serving.py'] + argv)}` — {report.header()},
+`{' '.join(['python', 'bench/serving_load.py'] + argv)}` — {report.header()},
 TorchServe {ts.__version__}; commit {result['revision']}.
 
 - Model: random Llama (tools/make_checkpoint.py), **{model['parameters']:,} parameters**: dim {model['dim']}, \
