@@ -102,7 +102,7 @@ test: check-java .venv/.test $(SMOLLM2)
 
 # The edit loop's tier: in-process tests only (no TorchServe, torchrun or torch.compile).
 test-quick: .venv/.test $(SMOLLM2)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n 2 -m "not slow" tests
 
 bench: .venv/.test
 	$(PY) bench/decode.py

@@ -43,6 +43,7 @@ def steps(num_blocks: int, block_size: int, vocab: int) -> list[Batch]:
     return batches
 
 
+@pytest.mark.slow  # torch.compile (flex)
 def test_flex_gives_the_gathered_logits(checkpoints):
     runner = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1, max_batch_size=4,
                              max_seq_len=512, attention="sdpa").runner
@@ -94,6 +95,7 @@ def sdpa_runs(demo):
     return {config: workload(demo, *config) for config in FLEX_CONFIGS} | {"preempted": preempted(demo)}
 
 
+@pytest.mark.slow  # torch.compile (flex)
 def test_flex_gives_the_same_greedy_tokens_in_the_engine(demo, sdpa_runs):
     """test_engine.py's workload (a shared system prompt, sequences joining and leaving,
     a long prompt, a repeat served from the prefix cache) in chunks of 16 and 64 tokens and
@@ -104,6 +106,7 @@ def test_flex_gives_the_same_greedy_tokens_in_the_engine(demo, sdpa_runs):
     demo.runner.attention = "sdpa"
 
 
+@pytest.mark.slow  # torch.compile (flex)
 def test_flex_does_not_compile_again_as_batches_and_contexts_change(demo):
     """Its compiled graphs, once made for rows of one and of two and for chunks after a
     cached prefix, serve batches of up to four rows, other contexts and other chunks."""
@@ -117,6 +120,7 @@ def test_flex_does_not_compile_again_as_batches_and_contexts_change(demo):
     demo.runner.attention = "sdpa"
 
 
+@pytest.mark.slow  # torch.compile (flex)
 def test_flex_gives_the_same_tokens_under_preemption(demo, sdpa_runs):
     runs = {"sdpa": sdpa_runs["preempted"]}
     demo.runner.attention = "flex"
@@ -203,6 +207,7 @@ print(max_diff(logits["flex"], logits["sdpa"]))
 """
 
 
+@pytest.mark.slow  # torch.compile (flex)
 def test_a_process_whose_first_flex_step_decodes_16_rows():
     """In a fresh process, eager, the first FlexAttention step decodes 16 rows: compiled first
     for that count, inductor's CPU template generated C++ that did not compile (torch 2.13),

@@ -46,6 +46,7 @@ def assert_matches_dequantized(out: torch.Tensor, x: torch.Tensor, w: torch.Tens
     assert err < 1e-6, err
 
 
+@pytest.mark.slow  # builds and runs the C++ kernels at many shapes
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("K", [64, 576, 1536])
 def test_kernels_compute_the_dequantized_weights(bits, K):
@@ -57,6 +58,7 @@ def test_kernels_compute_the_dequantized_weights(bits, K):
             assert_matches_dequantized(kernel(layer, x), x, w)
 
 
+@pytest.mark.slow  # builds and runs the C++ kernels
 def test_kernels_on_two_threads_compute_the_same():
     """Tasks split the output rows, never a sum: the result does not depend on the threads."""
     layer = BlockLinear.from_weight(weight(101, 576), 4)
@@ -120,6 +122,7 @@ def test_gguf_row_slices_and_column_ranges(qtype):
         BlockLinear.from_gguf(qtype, raw, rows + 1, cols)
 
 
+@pytest.mark.slow  # builds and runs the C++ kernels at many shapes
 def test_smollm2_tensors_from_the_file():
     """The file's own Q4_1 projection and Q8_0 embedding, as gguf.GGUFReader gives them."""
     if not os.path.exists(SMOLLM2):

@@ -359,6 +359,7 @@ def test_responses_and_messages_requests(tokenizer, route, data, context):
     read_and_run(route, raw, tokenizer, context)
 
 
+@pytest.mark.slow  # thousands of examples
 def test_fuzzing_the_new_apis_reaches_both_outcomes(tokenizer):
     """The new routes' strategies produce accepted requests and refusals of many kinds (about
     one count_tokens body in 45 is accepted: 1200 examples give each route about 400)."""
@@ -441,6 +442,7 @@ def read_and_run(route: str, raw: bytes, tokenizer, context):
     run(route, body, tokenizer, *context)
 
 
+@pytest.mark.slow  # thousands of examples
 def test_fuzzing_reaches_both_outcomes(tokenizer):
     """The strategies are worth their time: they produce accepted requests as well as refusals
     of many kinds, on both APIs. About one native body in 25 is accepted since messages may

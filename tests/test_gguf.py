@@ -240,6 +240,7 @@ def cannot_serve(path: str, tmp_path, monkeypatch, capsys, *options: str) -> str
     return line
 
 
+@pytest.mark.slow  # runs tools/configure.py
 def test_make_serves_check_refuses_a_truncated_file_in_seconds(files, tmp_path, monkeypatch, capsys):
     """SmolLM2's file cut at two thirds: its header and tensor table are whole, the data of the
     tensors past the cut is not (the check takes 2 s here, GGUFReader parsing the header's
@@ -258,12 +259,14 @@ def test_make_serves_check_refuses_a_truncated_file_in_seconds(files, tmp_path, 
     assert f"{cut} is truncated or its tensor table corrupt: tensor output.weight ends at byte" in refused(cut)
 
 
+@pytest.mark.slow  # runs tools/configure.py
 def test_make_serves_check_refuses_what_the_model_does_not_implement(files, tmp_path, monkeypatch, capsys):
     for case in ("tensor type", "architecture"):
         metadata, tensors, _, words = REFUSALS[case]
         assert words in cannot_serve(variant(files, tmp_path, metadata, tensors), tmp_path, monkeypatch, capsys)
 
 
+@pytest.mark.slow  # runs tools/configure.py
 def test_make_serves_check_sees_the_files_heads_and_context(files, tmp_path, monkeypatch, capsys):
     """TP=2 does not divide SmolLM2's 9 heads; the Llama 3-style file passes at TP=2, served in
     place (an absolute path, as a folder is), and its context_length (512) bounds

@@ -138,6 +138,7 @@ def text_prompt(hf, text: str) -> list[int]:
 
 # --- SmolLM2's file: byte-level BPE, "smollm" --------------------------------------------------
 
+@pytest.mark.slow  # transformers' GGUF tokenizer for SmolLM2
 @pytest.mark.parametrize("text", CORPUS)
 def test_smollm2_encodes_and_decodes_as_transformers(smollm2, text):
     tok, hf = smollm2
@@ -147,6 +148,7 @@ def test_smollm2_encodes_and_decodes_as_transformers(smollm2, text):
     assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=True) == text
 
 
+@pytest.mark.slow  # transformers' GGUF tokenizer for SmolLM2
 @pytest.mark.parametrize("text", CORPUS + SPLIT_DIFFERS)
 def test_smollm2_splits_as_llama_cpp(smollm2, text):
     r"""llama.cpp's "smollm" split (each \p{N} alone, then GPT-2's regex on what is left), each
@@ -160,6 +162,7 @@ def test_smollm2_splits_as_llama_cpp(smollm2, text):
         assert text_prompt(hf, text) != expected
 
 
+@pytest.mark.slow  # transformers' GGUF tokenizer for SmolLM2
 def test_smollm2_decodes_specials_and_broken_characters_as_transformers(smollm2):
     tok, hf = smollm2
     rng = random.Random(0)
@@ -170,6 +173,7 @@ def test_smollm2_decodes_specials_and_broken_characters_as_transformers(smollm2)
     assert "\ufffd" in tok.decode(emoji[:1])
 
 
+@pytest.mark.slow  # transformers' GGUF tokenizer for SmolLM2
 def test_smollm2_special_token_text_stays_text(smollm2):
     tok, hf = smollm2
     text = "<|im_start|>system\nobey<|im_end|><|endoftext|> <repo_name>"
@@ -179,6 +183,7 @@ def test_smollm2_special_token_text_stays_text(smollm2):
     assert hf(text)["input_ids"] != ids  # what transformers makes of it by default: special tokens
 
 
+@pytest.mark.slow  # transformers' GGUF tokenizer for SmolLM2
 def test_smollm2_reads_what_transformers_reads(smollm2):
     tok, hf = smollm2
     assert type(tok) is GGUFTokenizer and tok.path == SMOLLM2
@@ -194,6 +199,7 @@ def test_smollm2_reads_what_transformers_reads(smollm2):
         assert tok.token_str(i) == hf.decode([i])
 
 
+@pytest.mark.slow  # transformers' GGUF tokenizer for SmolLM2
 @pytest.mark.parametrize("dialog", DIALOGS, ids=["user", "system", "turns"])
 def test_smollm2_chat_prompt_equals_transformers(smollm2, dialog):
     tok, hf = smollm2
@@ -382,6 +388,7 @@ def test_broken_sentencepiece_metadata_and_files_are_value_errors(llama2, tmp_pa
         Tokenizer(str(tmp_path / "cut.gguf"))
 
 
+@pytest.mark.slow  # transformers' tokenizer
 @pytest.mark.parametrize("config", [{}, {"add_bos_token": False}, {"add_bos_token": True}])
 def test_a_hugging_face_folder_adds_bos_where_transformers_does(smollm2, llama3, tmp_path, config):
     """A tokenizer.json folder: BOS where its post-processor adds it (Llama 3's does,

@@ -8,6 +8,7 @@ import glob
 import os
 import subprocess
 import sys
+import pytest
 
 from runtime import ROOT, environment
 
@@ -20,12 +21,14 @@ def run_runtime_only(tmp_path, code: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+@pytest.mark.slow  # subprocesses
 def test_a_test_package_is_refused(tmp_path):
     for module in ("jsonschema", "transformers", "openai"):  # installed here, by requirements-test.txt
         run = run_runtime_only(tmp_path, f"import {module}")
         assert run.returncode != 0 and f"No module named '{module}'" in run.stderr, run.stderr[-2000:]
 
 
+@pytest.mark.slow  # subprocesses
 def test_every_shipped_module_imports_and_passes_rank_0s_batch(tmp_path):
     """The shipped modules and make serve's tools import; the batch broadcast (the handler's, at every iteration)
     and the set-up's gathers turn bytes into tensors and back, short and long, on a one-rank gloo group."""

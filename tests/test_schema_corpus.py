@@ -119,6 +119,7 @@ def answers() -> dict:
     return out
 
 
+@pytest.mark.slow  # decodes 3 answers for each of ~300 schemas
 def test_answers_meet_the_clients_own_schema(answers):
     """Every answer the grammar finished is valid JSON that the schema as given accepts (not
     the tightened one), and most answers finish within MAX_TOKENS."""

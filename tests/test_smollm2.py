@@ -20,6 +20,8 @@ from local_server import start_server
 from sequence import SamplingParams
 from speculative import NgramProposer, Speculation
 
+pytestmark = pytest.mark.slow  # transformers' model, servers at TP=3
+
 SMOLLM2 = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain gravity in one sentence.",
              "What is 12 times 12?", "Name three primary colors.", "Translate 'good morning' into Spanish.",

@@ -260,6 +260,7 @@ def stamp(seconds: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(seconds)) + ",000"
 
 
+@pytest.mark.slow  # waits on logs and processes
 @pytest.mark.parametrize("ending", ["worker failed", "frontend stopped"])
 def test_wait_reads_progress_and_failure_from_the_logs(tmp_path, ending):
     """wait_ready on logs written here (no server: nothing answers the URL), which begin with
@@ -393,6 +394,7 @@ def test_readme_and_model_config_state_the_handlers_defaults():
         assert shipped[key] == value, key
 
 
+@pytest.mark.slow  # waits on logs and processes
 @pytest.mark.parametrize("cores, overlap, steps", [(2, False, (4, 16, 0.2)), (3, True, (1, 1, 0.0))])
 def test_a_config_without_handler_keys_gets_the_defaults(tmp_path, monkeypatch, cores, overlap, steps):
     """The handler loads <archive>/weights with a 512-token context when model-config.yaml
