@@ -45,7 +45,8 @@ TORCHSERVE_FIXTURES = {"server", "llama3_server", "own_server", "limited", "conf
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: starts TorchServe or torchrun ranks, or compiles (make test-quick leaves it out)")
+    config.addinivalue_line("markers", "slow: starts TorchServe or torchrun ranks, compiles, or takes seconds "
+                            "(transformers' models, C++ kernels, corpora; make test-quick leaves it out)")
 
 
 def pytest_collection_modifyitems(items):

@@ -70,7 +70,11 @@ def ours():
 @pytest.fixture(scope="module")
 def smollm2_server(tmp_path_factory):
     """TorchServe serving the file in place at TP=3, one thread per rank."""
-    srv = start_server(tmp_path_factory.mktemp("smollm2"), None, tp=3, batch_size=8, threads=1,
+    yield from served(tmp_path_factory, tp=3, threads=1)
+
+
+def served(tmp_path_factory, tp: int, threads: int):
+    srv = start_server(tmp_path_factory.mktemp("smollm2"), None, tp=tp, batch_size=8, threads=threads,
                        handler={"checkpoint": SMOLLM2, "tokenizer": SMOLLM2, "max_seq_len": 512})
     yield openai.OpenAI(base_url=f"{srv.url}/predictions/llama/1.0/v1", api_key=srv.key, max_retries=0)
     srv.stop()
@@ -122,9 +126,19 @@ def test_prompt_lookup_doubles_up_on_a_text_asked_back(ours):
 # --- TP=3, through TorchServe ----------------------------------------------------------------
 
 def test_served_at_tp3_greedy_chat_equals_transformers(smollm2_server, expected):
+    assert_greedy_chat(smollm2_server, expected)
+
+
+def test_served_at_tp1_greedy_chat_equals_transformers(tmp_path_factory, expected):
+    """As make serve serves it by default: TP=1, the cores' threads."""
+    for client in served(tmp_path_factory, tp=1, threads=2):
+        assert_greedy_chat(client, expected)
+
+
+def assert_greedy_chat(client, expected: list[str]):
     for q, want in zip(QUESTIONS, expected):
-        reply = smollm2_server.chat.completions.create(model="llama", messages=[{"role": "user", "content": q}],
-                                            max_tokens=NEW_TOKENS, temperature=0)
+        reply = client.chat.completions.create(model="llama", messages=[{"role": "user", "content": q}],
+                                               max_tokens=NEW_TOKENS, temperature=0)
         assert reply.choices[0].message.content == want, q
 
 
