@@ -221,3 +221,30 @@ def test_a_process_whose_first_flex_step_decodes_16_rows():
                           env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests")))
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout.split()[-1]) < 1e-4
+
+
+LOADED_FLEX = """
+import sys
+sys.path[:0] = [sys.argv[1]]
+import flex_attention, loading
+from serving_config import ServingConfig
+engine, _ = loading.load(ServingConfig(checkpoint=sys.argv[2], attention=sys.argv[3]), sys.argv[1], 4, 1,
+                         lambda *args, **kwargs: None)
+print(flex_attention.has_graph())
+"""
+
+
+@pytest.mark.slow  # torch.compile (flex)
+@pytest.mark.parametrize("attention, compiled", [("auto", True), ("sdpa", False)])
+def test_an_eager_worker_compiles_flex_as_it_loads(attention, compiled):
+    """An eager worker that may attend with FlexAttention compiles its kernel as it loads, not
+    in the first step past FLEX_FROM_TOKENS cached tokens (a 13 s step that held every
+    stream); one that never uses it compiles nothing."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    done = subprocess.run([sys.executable, "-c", LOADED_FLEX, ROOT, DEMO, attention], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == str(compiled)
