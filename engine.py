@@ -161,17 +161,16 @@ class Engine:
         nothing to run, or after a step that computed a chunk of a prompt beside tokens for
         others (a long step: their tokens go out now, so that a long prompt's arrival does not
         hold the streams for several such steps). The same on every rank: the count is rank
-        0's, and the rest depends on the sequences only. Returns the steps taken. With asynchronous scheduling, the last
-        step's tokens may still be on the device when it returns (a server's iteration of one
-        step still overlaps the host's work): the next run's first step appends them, and a
-        sequence ended by one of them ends then."""
+        0's, and the rest depends on the sequences only. Returns the steps taken. With
+        asynchronous scheduling, the last step's tokens may still be on the device when it
+        returns (a server's iteration of one step still overlaps the host's work): the next
+        run's first step appends them, and a sequence ended by one of them ends then."""
         if seconds:
             max_steps = self.steps_within(seconds, min_steps, max_steps)
         begin = time.perf_counter()
         n = 0
         while n < max_steps:
             n += 1
-            self.long_step = False
             if self.step() or not self.running or self.long_step:
                 break
         self.pace = (time.perf_counter() - begin) / n
@@ -194,7 +193,7 @@ class Engine:
         With asynchronous scheduling, a step whose sequences allow it (runs_ahead) leaves its
         tokens on the device, where the next step reads them; the host appends them (text,
         stop strings, ends) after it has queued that next step, while the device runs it."""
-        news = False
+        news, self.long_step = False, False
         if self.ahead and not may_run_ahead(self.scheduler, self.pool):
             news = self.catch_up()
         if self.speculation:

@@ -38,19 +38,21 @@ def load(config: ServingConfig, model_dir: str, batch_size: int, world_size: int
     engine = Engine(runner, llama.tokenizer, batch_size, run.max_batched_tokens, config.prefix_caching,
                     threaded=run.overlap, speculation=speculation(config, model_dir, llama, world_size, progress),
                     async_scheduling=config.async_scheduling)
-    if config.compile:  # on the thread that will run the steps
-        start = time.perf_counter()
-        engine.start(runner.compile_decode)
-        engine.wait()
-        progress("compiled the decode step", seconds=round(time.perf_counter() - start, 1))
+    if config.compile:
+        on_engine_thread(engine, runner.compile_decode, "compiled the decode step", progress)
     else:
         if runner.may_use_flex():  # its kernel compiled now, not in the first long step (a 13 s stall)
-            start = time.perf_counter()
-            engine.start(runner.warm_up)
-            engine.wait()
-            progress("compiled FlexAttention's kernel", seconds=round(time.perf_counter() - start, 1))
+            on_engine_thread(engine, runner.warm_up, "compiled FlexAttention's kernel", progress)
         progress("not compiled (handler.compile: false)")
     return engine, run
+
+
+def on_engine_thread(engine: Engine, compile_fn, done: str, progress):
+    """Compile on the thread that will run the steps, and say how long it took."""
+    start = time.perf_counter()
+    engine.start(compile_fn)
+    engine.wait()
+    progress(done, seconds=round(time.perf_counter() - start, 1))
 
 
 def speculation(config: ServingConfig, model_dir: str, llama, world_size: int, progress) -> Speculation | None:
