@@ -31,20 +31,21 @@ FIRST_PORT, LAST_PORT = map(int, os.environ.get("LOCAL_SERVER_PORTS", "20000-327
 PORTS = range(FIRST_PORT, LAST_PORT + 1)
 
 
-def free_port() -> int:
+def free_port(taken: set = frozenset()) -> int:
+    """A free port, not one of taken (chosen for the same server, not bound yet)."""
     for _ in range(1000):
         port = random.choice(PORTS)
-        if port_free(port):
+        if port not in taken and port_free(port):
             return port
     raise RuntimeError("no free port")
 
 
-def free_port_range(n: int) -> int:
-    """A base port b with b..b+n-1 free, for the ranks' worker sockets."""
+def free_port_range(n: int, taken: set = frozenset()) -> int:
+    """A base port b with b..b+n-1 free and not taken, for the ranks' worker sockets."""
     for _ in range(100):
-        base = free_port()
-        if base + n < PORTS.stop and all(port_free(base + i) and not os.path.exists(f"/tmp/.ts.sock.{base + i}")
-                                    for i in range(n)):
+        base = free_port(taken)
+        if base + n < PORTS.stop and all(base + i not in taken and port_free(base + i)
+                                         and not os.path.exists(f"/tmp/.ts.sock.{base + i}") for i in range(n)):
             return base
     raise RuntimeError("no free port range")
 
@@ -67,8 +68,13 @@ class Server:
         self.tmp = os.path.join(workdir, "tmp")  # TorchServe's pid file goes to $TMPDIR
         os.makedirs(self.tmp, exist_ok=True)
         self.extra_env = env or {}  # for the frontend and the workers it starts
-        self.ports = {k: free_port() for k in ("inference", "management", "metrics", "grpc", "grpc_management")}
-        self.worker_port = free_port_range(tp + 1)
+        names = ("inference", "management", "metrics", "grpc", "grpc_management")
+        taken = set()  # free ports drawn one at a time may repeat: the frontend's second bind then fails
+        for name in names:
+            taken.add(free_port(taken))
+        self.ports = dict(zip(names, sorted(taken)))
+        self.worker_port = free_port_range(tp + 1, taken)
+        self.taken = taken | set(range(self.worker_port, self.worker_port + tp + 1))
         self.url = f"http://127.0.0.1:{self.ports['inference']}"
         self.grpc_target = f"127.0.0.1:{self.ports['grpc']}"
         self.metrics_url = f"http://127.0.0.1:{self.ports['metrics']}/metrics"
@@ -82,7 +88,7 @@ class Server:
         model-config.yaml of root (another checkout: a benchmark's baseline); handler_file
         and modules: another handler that builds on root's (tools/build_mar.py)."""
         with open(os.path.join(root, "model-config.yaml")) as f:
-            config = configure.configure(yaml.safe_load(f), tp=self.tp, device="cpu", rdzv_port=free_port(),
+            config = configure.configure(yaml.safe_load(f), tp=self.tp, device="cpu", rdzv_port=free_port(self.taken),
                                          batch_size=batch_size, handler=handler, threads=threads)
         config.update(model_config or {})
         self.config = config
