@@ -29,6 +29,7 @@ from serving import InFlight
 from serving_config import ServingConfig
 
 logger = logging.getLogger(__name__)
+GRAMMAR_WAIT = 0.05  # s: how long an iteration with only grammars to wait for waits for them
 
 class LlamaHandler(BaseHandler):
     leader = None  # with more than one rank: the group rank 0 sends its batches on
@@ -90,8 +91,11 @@ class LlamaHandler(BaseHandler):
     def read_batch(self, data, immediate: dict) -> list[dict]:
         """TorchServe's batch as every rank runs it, in batch order: each request's id and
         protocol, and for a request new to the handler, what InFlight.read made of it
-        ("job"), or "at_once" when rank 0 answered it already: its message (the answer, an
-        error) goes into immediate by batch index, on rank 0 alone."""
+        ("job"), "at_once" when rank 0 answered it already (its message, the answer or an
+        error, goes into immediate by batch index, on rank 0 alone), or "compiling" while
+        its grammars compile."""
+        if self.requests.compiling and self.engine.pending is None and not self.engine.running:
+            self.requests.wait_for_grammars(GRAMMAR_WAIT)  # nothing else to do: TorchServe would spin
         batch = []
         for idx, req_id in sorted(self.context.request_ids.items()):
             item = {"id": req_id, "http": self.is_http(idx)}
@@ -102,8 +106,9 @@ class LlamaHandler(BaseHandler):
                 if isinstance(read, Message):
                     immediate[idx], item["at_once"] = read, True
                 else:
-                    item["job"] = read
+                    item["job" if read is not None else "compiling"] = read
             batch.append(item)
+        self.requests.drop_compiles({item["id"] for item in batch})
         return batch
 
     def admit(self, batch: list[dict], immediate: dict):
@@ -130,8 +135,8 @@ class LlamaHandler(BaseHandler):
             self.wait_for_steps()
         messages = {}
         for idx, item in enumerate(self.batch):
-            if idx in immediate:
-                messages[idx] = item["http"], immediate[idx]
+            if idx in immediate or "compiling" in item:
+                messages[idx] = item["http"], immediate.get(idx)
                 continue
             job = self.requests.jobs[item["id"]]
             message = self.requests.guarded_message(job, item["id"])

@@ -1,13 +1,15 @@
 """The requests in flight on one rank, apart from TorchServe: rank 0 reads each new request
-into what every rank needs to run it (read: parse, render, tokenize), every rank queues
-its sequences (admit), and each iteration gives a request its message when it has one
-(message); forget frees what a request holds. handler.py is the TorchServe side."""
+into what every rank needs to run it (read: parse, render, tokenize, then compile its
+grammars on a thread of their own), every rank queues its sequences (admit), and each
+iteration gives a request its message when it has one (message); forget frees what a
+request holds. handler.py is the TorchServe side."""
 
 import hashlib
 import json
 import logging
 import os
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import api
 import constraint_fields
@@ -27,6 +29,9 @@ AT_ONCE = {"models", "tokenizer_info", "tokenize", "detokenize", "count_tokens"}
 FORMATS = {"native": native_api, "responses": responses_api, "messages": messages_api}  # by Request.api; else OpenAI's
 ID_PREFIXES = {"native": "cmpl-", "completions": "cmpl-", "chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
 JSON = "application/json"
+# A request's grammars compile on the compiler's thread while the engine steps; a read waits
+# this long for them, so that a grammar in the cache (or a quick one) joins this iteration.
+COMPILE_WAIT = 0.005
 
 
 class InFlight:
@@ -36,23 +41,18 @@ class InFlight:
         self.created = int(time.time())
         self.rank0 = os.environ.get("RANK", "0") == "0"
         self.jobs: dict[str, Job] = {}  # by TorchServe request id
+        # rank 0's requests whose grammars compile: (what new_job made of them, the compile)
+        self.compiling: dict[str, tuple[tuple, Future]] = {}
+        self.compiler: ThreadPoolExecutor | None = None  # started at the first grammar
 
-    def read(self, req_id: str, path: str, raw) -> tuple | Message:
-        """What every rank's Job needs of a new request (new_job), or the message that
-        answers it at once. One bad request costs itself alone: whatever it raises (a
+    def read(self, req_id: str, path: str, raw) -> tuple | Message | None:
+        """What every rank's Job needs of a new request (new_job), the message that answers
+        it at once, or None while its grammars compile (TorchServe sends it again next
+        iteration; read it then). One bad request costs itself alone: whatever it raises (a
         tokenizer's Rust panic is a BaseException) becomes its own error."""
-        route = ROUTES.get(path)
         fmt = format_of(path)
         try:
-            if route is None and path.startswith("v1/responses/"):  # retrieve, cancel, delete
-                raise RequestError(f"no response /{path}: {responses_api.UNSTORED}", "url", status=404)
-            if route is None:
-                raise RequestError(f"no route /{path}; the routes are /, /v1/completions, /v1/chat/completions, "
-                                   "/v1/responses, /v1/messages, /v1/messages/count_tokens, /v1/models, "
-                                   "/tokenizer_info, /tokenize and /detokenize", "url", status=404)
-            if route in AT_ONCE:
-                return Message(json.dumps(self.answer_at_once(route, raw)), 200, JSON, "once")
-            return self.new_job(req_id, route, raw)
+            return self.compiled(req_id) if req_id in self.compiling else self.start(req_id, path, raw)
         except RequestError as e:
             return error_message(fmt, e)
         except (KeyboardInterrupt, SystemExit):
@@ -60,6 +60,46 @@ class InFlight:
         except BaseException:  # a bug must cost one request, never the worker
             logger.exception("cannot read request %s", req_id)
             return error_message(fmt, internal_error(req_id))
+
+    def start(self, req_id: str, path: str, raw) -> tuple | Message | None:
+        """A new request's answer at once, or its job spec after every cheap check; its
+        grammars, the costly check, then compile on the compiler's thread (compiled)."""
+        route = ROUTES.get(path)
+        if route is None and path.startswith("v1/responses/"):  # retrieve, cancel, delete
+            raise RequestError(f"no response /{path}: {responses_api.UNSTORED}", "url", status=404)
+        if route is None:
+            raise RequestError(f"no route /{path}; the routes are /, /v1/completions, /v1/chat/completions, "
+                               "/v1/responses, /v1/messages, /v1/messages/count_tokens, /v1/models, "
+                               "/tokenizer_info, /tokenize and /detokenize", "url", status=404)
+        if route in AT_ONCE:
+            return Message(json.dumps(self.answer_at_once(route, raw)), 200, JSON, "once")
+        spec = self.new_job(req_id, route, raw)
+        if not spec[0].to_compile:
+            return spec
+        self.compiler = self.compiler or ThreadPoolExecutor(1, thread_name_prefix="grammars")
+        compiling = self.compiler.submit(constraint_fields.compile_constraints, spec[0], self.engine.matcher)
+        self.compiling[req_id] = spec, compiling
+        wait([compiling], COMPILE_WAIT)
+        return self.compiled(req_id)
+
+    def compiled(self, req_id: str) -> tuple | None:
+        """A compiling request's job spec once its grammars compiled (the RequestError of one
+        that does not), or None while they compile."""
+        spec, compiling = self.compiling[req_id]
+        if not compiling.done():
+            return None
+        del self.compiling[req_id]
+        compiling.result()
+        return spec
+
+    def wait_for_grammars(self, timeout: float):
+        """Wait until a compiling request's grammars are done, or timeout seconds."""
+        wait([compiling for _, compiling in self.compiling.values()], timeout, FIRST_COMPLETED)
+
+    def drop_compiles(self, req_ids: set[str]):
+        """Forget the compiling requests not in req_ids (their clients went away)."""
+        for req_id in set(self.compiling) - req_ids:
+            self.compiling.pop(req_id)[1].cancel()  # one already compiling finishes into the cache
 
     def answer_at_once(self, route: str, raw) -> dict:
         if route == "models":
@@ -74,7 +114,8 @@ class InFlight:
         return openai_api.detokenize(body, self.tokenizer)
 
     def new_job(self, req_id: str, route: str, raw) -> tuple:
-        """(request, [(prompt tokens, sampling params)], meta): what every rank's Job needs."""
+        """(request, [(prompt tokens, sampling params)], meta): what every rank's Job needs,
+        once the request's grammars compile (read sees to it: the costly check, last)."""
         body = api.read_body(request_body(raw), self.limits)
         if route == "native":
             request = native_api.parse(body, self.limits, self.defaults)
@@ -88,7 +129,6 @@ class InFlight:
                 self.engine.check(tokens, params)
             except ValueError as e:
                 raise RequestError(str(e), "prompt") from None
-        constraint_fields.compile_constraints(request, self.engine.matcher)  # the costly check, last
         meta = {"id": ID_PREFIXES[request.api] + req_id, "created": int(time.time()),
                 "model": self.model_name, "prompt_tokens": len(prompts[0][0])}
         return request, prompts, meta

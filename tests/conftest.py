@@ -131,6 +131,16 @@ def configure_line(folder: str, tmp_path, monkeypatch, capsys, *options: str) ->
     return capsys.readouterr().out
 
 
+def read_now(inflight, req_id: str, path: str, raw):
+    """InFlight.read, again until it is not None: a request's grammars compile on a thread of
+    their own, which TorchServe's next iterations would wait for."""
+    read = inflight.read(req_id, path, raw)
+    while read is None:
+        inflight.wait_for_grammars(1.0)
+        read = inflight.read(req_id, path, raw)
+    return read
+
+
 def decoded_after_leaving(server, body: dict, read: int) -> tuple[list[str], int]:
     """Stream body, read `read` lines and close, as a client that goes away; then wait for the
     handler's 'done' line of that request. Returns the texts read and the tokens it generated."""

@@ -9,6 +9,7 @@ agreeing; and the openai client against TorchServe."""
 
 import json
 import re
+import threading
 
 import jsonschema
 import openai
@@ -22,7 +23,7 @@ import native_api
 import openai_api
 import structured
 from api import Defaults, Limits, RequestError
-from conftest import DEMO
+from conftest import DEMO, read_now
 from engine import Engine
 from engine_worker import CONSTRAINTS, constrained
 from sequence import SamplingParams
@@ -274,7 +275,7 @@ def test_a_broken_grammar_is_an_error_the_client_sees_and_the_log_has_once(engin
     """finish_reason "error" where a choice can say it (native, OpenAI's completions and chat);
     a 500, or the stream's error event, in the Responses and Messages APIs, which cannot."""
     requests = InFlight(engine, Limits(), Defaults(), "llama")
-    spec = requests.read("rq-1", path, json.dumps(body | {"seed": 1, "temperature": 1.0}).encode())
+    spec = read_now(requests, "rq-1", path, json.dumps(body | {"seed": 1, "temperature": 1.0}).encode())
     requests.admit("rq-1", spec, http=True)
     messages = []
     while not messages or messages[-1].kind == "chunk":
@@ -411,12 +412,39 @@ def test_rank0_answers_a_bad_constraint_itself(engine):
     """InFlight.read (rank 0) answers what cannot compile with a 400: no job, nothing queued."""
     requests = InFlight(engine, Limits(), Defaults(), "llama")
     body = {"messages": [{"role": "user", "content": "Hi"}], "guided_regex": "(ab"}
-    message = requests.read("1", "v1/chat/completions", json.dumps(body).encode())
+    message = read_now(requests, "1", "v1/chat/completions", json.dumps(body).encode())
     error = json.loads(message.body)["error"]
     assert message.status == 400 and error["param"] == "guided_regex" and "unclosed group" in error["message"]
-    spec = requests.read("2", "v1/chat/completions", json.dumps(body | {"guided_regex": "(ab)+"}).encode())
+    spec = read_now(requests, "2", "v1/chat/completions", json.dumps(body | {"guided_regex": "(ab)+"}).encode())
     (_, p), = spec[1]
     assert p.constraint == Constraint("regex", "(ab)+") and not engine.running
+
+
+def test_grammars_compile_off_the_request_thread(engine, monkeypatch):
+    """A request's grammar compiles on the compiler's thread: while it does, read says so
+    (None), the other requests are read at once, and the next read gives its job, or its 400;
+    a compiling request whose client went away is dropped."""
+    release, threads = threading.Event(), []
+    real_matcher = engine.matcher
+
+    def slow_matcher(constraint):
+        threads.append(threading.current_thread().name)
+        release.wait(10)
+        return real_matcher(constraint)
+    monkeypatch.setattr(engine, "matcher", slow_matcher)
+    requests = InFlight(engine, Limits(), Defaults(), "llama")
+    body = {"messages": [{"role": "user", "content": "Hi"}]}
+    for req_id, regex in (("good", "(ab)+"), ("bad", "(ab"), ("gone", "a+")):
+        assert requests.read(req_id, "v1/chat/completions", json.dumps(body | {"guided_regex": regex}).encode()) is None
+    assert isinstance(requests.read("plain", "v1/chat/completions", json.dumps(body).encode()), tuple)
+    requests.drop_compiles({"good", "bad", "plain"})
+    assert set(requests.compiling) == {"good", "bad"}
+    release.set()
+    (_, params), = read_now(requests, "good", "v1/chat/completions", b"")[1]
+    assert params.constraint == Constraint("regex", "(ab)+")
+    refused = read_now(requests, "bad", "v1/chat/completions", b"")
+    assert refused.status == 400 and json.loads(refused.body)["error"]["param"] == "guided_regex"
+    assert threads and all(name.startswith("grammars") for name in threads) and not requests.compiling
 
 
 # --- over HTTP ------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import api
 import llama2
 from api import Defaults, Limits
-from conftest import DEMO
+from conftest import DEMO, read_now
 from engine import Engine
 from serving import InFlight
 
@@ -33,7 +33,7 @@ def refused(engine, body: dict | str, limits: Limits = Limits(), path: str = CHA
     """(status, the error: OpenAI's error object, or the whole body in other APIs) for body, timed."""
     raw = (body if isinstance(body, str) else json.dumps(body)).encode()
     begin = time.perf_counter()
-    message = InFlight(engine, limits, Defaults(), "llama").read("req-1", path, raw)
+    message = read_now(InFlight(engine, limits, Defaults(), "llama"), "req-1", path, raw)
     assert time.perf_counter() - begin < FAST
     assert isinstance(message, api.Message), "a job: it was not refused"
     answer = json.loads(message.body)
@@ -115,5 +115,5 @@ def test_a_grammar_is_compiled_after_every_cheap_check(engine, monkeypatch):
     too_long = schema_body({"type": "object"}) | {"messages": [{"role": "user", "content": "word " * 600}]}
     status, error = refused(engine, too_long)
     assert status == 400 and error["param"] == "messages" and not compiled, error
-    read = InFlight(engine, Limits(), Defaults(), "llama").read("req-2", CHAT, json.dumps(schema_body({})).encode())
+    read = read_now(InFlight(engine, Limits(), Defaults(), "llama"), "req-2", CHAT, json.dumps(schema_body({})).encode())
     assert not isinstance(read, api.Message) and [c.kind for c in compiled] == ["json_schema"]

@@ -20,6 +20,7 @@ import responses_api
 from api import Defaults, Limits, Message, RequestError
 from engine import Engine
 from serving import InFlight
+from conftest import read_now
 from test_chat_safety import special_text, specials, tokenizers, with_template  # noqa: F401 (a fixture)
 from test_tools import LLAMA31_TEMPLATE
 
@@ -41,7 +42,7 @@ def inflight(demo_llama):
 def serve(inflight: InFlight, route: str, body: dict) -> list[Message]:
     """The messages a request gets, iteration by iteration, until its last."""
     req_id = f"r{len(inflight.jobs)}-{id(body)}"
-    spec = inflight.read(req_id, PATHS.get(route, route), json.dumps(body).encode())
+    spec = read_now(inflight, req_id, PATHS.get(route, route), json.dumps(body).encode())
     if isinstance(spec, Message):
         return [spec]
     inflight.admit(req_id, spec, http=True)
@@ -197,7 +198,7 @@ def test_schemas_hold(inflight):
 def test_a_stream_that_fails_ends_in_the_apis_shape(inflight):
     for route, body in (("responses", {"input": "Hi", "stream": True}),
                         ("messages", {"model": "llama", "messages": MESSAGES, "max_tokens": 5, "stream": True})):
-        spec = inflight.read("failing", PATHS[route], json.dumps(body).encode())
+        spec = read_now(inflight, "failing", PATHS[route], json.dumps(body).encode())
         inflight.admit("failing", spec, http=True)
         job = inflight.jobs["failing"]
         while inflight.message(job) is None:
