@@ -158,28 +158,38 @@ class Engine:
         """Up to max_steps steps; given seconds, only as many as fit in that time at the
         pace of the last run's steps, but at least min_steps. Fewer when a step gives a
         sequence its first token or ends one (whoever waits for it hears at once) or leaves
-        nothing to run, or after a step that computed a chunk of a prompt beside tokens for
-        others (a long step: their tokens go out now, so that a long prompt's arrival does not
-        hold the streams for several such steps). The same on every rank: the count is rank
-        0's, and the rest depends on the sequences only. Returns the steps taken. With
-        asynchronous scheduling, the last step's tokens may still be on the device when it
-        returns (a server's iteration of one step still overlaps the host's work): the next
-        run's first step appends them, and a sequence ended by one of them ends then."""
+        nothing to run. A step that computed a chunk of a prompt beside tokens for others (a
+        long step) takes longer than the pace said: given seconds, the run goes on with the
+        steps of its pace that fit in the time left (the streams' messages keep their
+        cadence while a long prompt is prefilled); without, it ends there. The same on every
+        rank: the counts are rank 0's, and the rest depends on the sequences only. Returns
+        the steps taken. With asynchronous scheduling, the last step's tokens may still be on
+        the device when it returns (a server's iteration of one step still overlaps the
+        host's work): the next run's first step appends them, and a sequence ended by one of
+        them ends then."""
         if seconds:
             max_steps = self.steps_within(seconds, min_steps, max_steps)
-        begin = time.perf_counter()
+        begin = last = time.perf_counter()
         n = 0
         while n < max_steps:
             n += 1
-            if self.step() or not self.running or self.long_step:
+            if self.step() or not self.running:
                 break
+            now = time.perf_counter()
+            if self.long_step:
+                if not seconds:
+                    break
+                max_steps = n + self.steps_within(seconds - (now - begin), 0, max_steps - n, pace=now - last)
+            last = now
         self.pace = (time.perf_counter() - begin) / n
         return n
 
-    def steps_within(self, seconds: float, min_steps: int, max_steps: int) -> int:
-        """How many steps of the last run's pace fit in seconds (min_steps to max_steps), by
-        rank 0's clock: each rank's own would differ, and the ranks must take the same steps."""
-        fit = int(seconds / self.pace) if self.pace else min_steps
+    def steps_within(self, seconds: float, min_steps: int, max_steps: int, pace: float | None = None) -> int:
+        """How many steps of the last run's pace (or pace) fit in seconds (min_steps to
+        max_steps), by rank 0's clock: each rank's own would differ, and the ranks must take
+        the same steps."""
+        pace = pace or self.pace
+        fit = int(seconds / pace) if pace else min_steps
         steps = torch.tensor([max(min_steps, min(max_steps, fit))], device=self.device)
         if collectives.tp_world()[1] > 1:
             collectives.broadcast(steps, src=0)

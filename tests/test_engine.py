@@ -258,9 +258,10 @@ def test_run_takes_the_steps_that_fit_in_its_time():
 
 
 def test_a_run_ends_after_a_step_that_chunks_a_prompt_beside_streams():
-    """A long prompt's chunks make long steps: a run ends after each one that also gave the
-    decoding sequences their tokens, so that they go out at once; a long prompt alone, or
-    decoding alone, runs on."""
+    """A long prompt's chunks make long steps: a run without a time budget ends after each
+    one that also gave the decoding sequences their tokens, so that they go out at once; with
+    one, it goes on with the steps that fit in the time left, measured by that step (none
+    when it is up, whatever min_steps said); a long prompt alone, or decoding alone, runs on."""
     llama = demo()
     engine = Engine(llama.runner, llama.tokenizer, max_batched_tokens=16)
     params = SamplingParams(max_gen_len=64, temperature=0, ignore_eos=True)
@@ -276,6 +277,8 @@ def test_a_run_ends_after_a_step_that_chunks_a_prompt_beside_streams():
     assert engine.run(16) == 1 and engine.long_step  # a chunk beside the streams' tokens
     tokens = [len(s.tokens) for s in streams]
     assert engine.run(16) == 1 and [len(s.tokens) for s in streams] == [t + 1 for t in tokens]
+    assert engine.run(16, seconds=1e-9, min_steps=4) == 1 and engine.long_step  # the time is up
+    assert engine.run(4, seconds=1000.0, min_steps=4) == 4 and engine.long_step  # all fit
 
 
 @pytest.mark.slow
