@@ -10,7 +10,10 @@ from sequence import Sequence
 from structured import apply_bitmask
 
 
-CANDIDATES = 64  # the most probable tokens a draw looks at; the whole vocabulary when its set reaches past them
+# the most probable tokens a draw looks at, then more of them, then the whole vocabulary,
+# until its set lies among them (sorting 49,152 probabilities took 2.8 ms here, the 1024
+# most probable 0.4; a set of top_p 0.9 at temperature 0.7 often reaches past 64)
+CANDIDATES, NUCLEUS = 64, 1024
 MASK32 = 0xFFFFFFFF
 
 
@@ -122,7 +125,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     tokens as probable as the last one of the set stay in with it, so two tokens of equal
     probability that trade places under rounding (in another batch, at another TP size)
     change neither the set nor the winner; the set is looked for among the CANDIDATES most
-    probable tokens, and among all where it reaches past them, with the same draws. A row
+    probable tokens, then the NUCLEUS most probable, and among all where it reaches past
+    them, with the same draws. A row
     costs its generator one key whatever else the step holds: a proposed token (speculative
     decoding) stands when the draw gives it."""
     device = logits.device
@@ -140,20 +144,33 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     top_p = to_device([p.top_p for p in params], device, scaled.dtype)[:, None]
     keys = torch.stack([torch.randint(0, MASK32 + 1, (2,), generator=seqs[i].generator) for i in rows]).to(device)
     drawn = torch.empty(len(rows), dtype=torch.long, device=device)
-    found = among_candidates(scaled, top_k, top_p, keys, drawn)
-    if not found.all():  # a set that reaches past the candidates
-        rest = (~found).nonzero()[:, 0]
+    # where a row's set lies: among the CANDIDATES most probable tokens, else among the
+    # NUCLEUS most probable, else among all; a row with top_p 1 and no top_k looks among all
+    # at once (its set is every token of probability above 0)
+    looks = [p.top_p < 1 or 0 < p.top_k < scaled.shape[-1] for p in params]
+    left = [j for j, look in enumerate(looks) if look]
+    for n in (CANDIDATES, NUCLEUS):
+        if not left:
+            break
+        some = to_device(left, device)
+        some_drawn = torch.empty(len(left), dtype=torch.long, device=device)
+        found = among_candidates(scaled[some], top_k[some], top_p[some], keys[some], some_drawn, n)
+        drawn[some] = some_drawn
+        left = [j for j, inside in zip(left, found.tolist()) if not inside]
+    everything = [j for j, look in enumerate(looks) if not look]
+    if everything or left:
+        rest = to_device(sorted(everything + left), device)
         drawn[rest] = among_all(scaled[rest], top_k[rest], top_p[rest], keys[rest])
     tokens[index] = drawn
     return tokens
 
 
 def among_candidates(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, keys: torch.Tensor,
-                     drawn: torch.Tensor) -> torch.Tensor:
-    """Draws each row's token among its CANDIDATES most probable ones into drawn; returns
-    which rows' sets lie within them (the others' drawn entries mean nothing)."""
+                     drawn: torch.Tensor, n: int = CANDIDATES) -> torch.Tensor:
+    """Draws each row's token among its n most probable ones into drawn; returns which rows'
+    sets lie within them (the others' drawn entries mean nothing)."""
     vocab = scaled.shape[-1]
-    n = min(CANDIDATES, vocab)
+    n = min(n, vocab)
     values, ids = torch.topk(scaled, n, dim=-1)
     cut = ((top_k > 0) & (top_k < vocab))[:, None]  # a top_k that leaves tokens out
     k = torch.where(cut[:, 0] & (top_k <= n), top_k, n)[:, None]

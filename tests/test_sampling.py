@@ -260,9 +260,9 @@ def test_seeded_draws_ignore_how_ties_sort():
     (0.7, 0, 0.9, True), (1.5, 40, 0.95, True), (0.5, 5, 1.0, True), (0.3, 1, 0.5, True), (2.0, 0, 0.98, True),
     (1.0, 0, 1.0, False), (1.0, 100, 0.9, False)])
 def test_candidates_draw_what_the_whole_vocabulary_draws(temperature, top_k, top_p, some_found):
-    """The draw among the CANDIDATES most probable tokens gives each row the token that the
-    draw over all 4096 tokens gives with the same keys, wherever it finds the set within
-    them; rows whose set reaches past them (flat logits, top_p 1 without a top_k, a top_k
+    """The draw among the CANDIDATES (or NUCLEUS) most probable tokens gives each row the
+    token that the draw over all 4096 tokens gives with the same keys, wherever it finds the
+    set within them; rows whose set reaches past them (flat logits, top_p 1 without a top_k, a top_k
     beyond the candidates) are left to the whole-vocabulary draw."""
     gen = torch.Generator().manual_seed(int(temperature * 10 + top_k))
     logits = torch.randn(64, 4096, generator=gen) * torch.linspace(0.2, 8, 64)[:, None]  # flat to peaked rows
@@ -275,3 +275,7 @@ def test_candidates_draw_what_the_whole_vocabulary_draws(temperature, top_k, top
     assert torch.equal(drawn[found], whole[found])
     # the flattest row's set reaches past the candidates, but for a top_k within them
     assert found.any() == some_found and bool(found[0]) == (0 < top_k <= sampler.CANDIDATES)
+    # the second look, among the NUCLEUS most probable, finds those sets and more, drawing the same
+    found_more = sampler.among_candidates(scaled, top_ks, top_ps, keys, drawn, sampler.NUCLEUS)
+    assert torch.equal(drawn[found_more], whole[found_more]) and bool((found_more | ~found).all())
+    assert found.all() or int(found_more.sum()) > int(found.sum()) or (top_p, top_k) == (1.0, 0)
