@@ -55,8 +55,8 @@ def measure(checkpoint: str, quant: str, threads: int, compiled: bool, layers: i
         return logits
     runner.forward_batch = timed
     engine = Engine(runner, llama.tokenizer)
-    seq = engine.add(llama.tokenizer.encode("Once upon a time", bos=True, eos=False),
-                     SamplingParams(max_gen_len=STEPS + PROFILED + 24, temperature=0, ignore_eos=True))
+    engine.add(llama.tokenizer.encode("Once upon a time", bos=True, eos=False),
+               SamplingParams(max_gen_len=STEPS + PROFILED + 24, temperature=0, ignore_eos=True))
     for _ in range(16):  # the prompt, then warm decode steps
         engine.step()
     forward_s.clear()
