@@ -83,6 +83,9 @@ class Job:
     first_token: float | None = None
 
 
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # the JSON escape of a UTF-16 surrogate
+
+
 def read_body(raw, limits: Limits):
     """The JSON value of a request body as TorchServe hands it over: bytes (the handler turns
     TorchServe's JSON decoding off, so that the size limit and strict parsing see every
@@ -114,9 +117,6 @@ def read_body(raw, limits: Limits):
     # valid UTF-8 holds no surrogates: only a \ud800-\udfff escape makes one (check_text
     # re-encodes the whole value: 0.1 s a MiB)
     return check_text(value) if SURROGATE_ESCAPE.search(raw) else value
-
-
-SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def checked_nesting(read, value, **options):
