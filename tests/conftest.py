@@ -49,6 +49,8 @@ def pytest_configure(config):
                             "(transformers' models, C++ kernels, corpora; make test-quick leaves it out)")
 
 
+# tryfirst: the groups are marked before pytest-xdist's hook reads them into the test ids
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
@@ -58,6 +60,14 @@ def pytest_collection_modifyitems(items):
         # one, so that its module fixtures are made once, and every test of the run's shared
         # server on one, so that it starts once
         item.add_marker(pytest.mark.xdist_group("server" if "server" in fixtures else item.nodeid.split("::")[0]))
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """Every test id a worker collected carries its group (id@group). With pytest 9.2, whose ids
+    no longer come from the attribute pytest-xdist 3.8 sets, every group was lost without a
+    word, and a module's fixtures (SmolLM2's reference, its servers) were made on both workers."""
+    if node.config.getoption("dist") == "loadgroup" and (ungrouped := [i for i in ids if "@" not in i]):
+        raise pytest.UsageError(f"pytest-xdist did not group these tests by their xdist_group: {ungrouped[:2]}")
 
 
 @pytest.fixture(autouse=True)
