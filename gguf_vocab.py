@@ -63,10 +63,10 @@ def read(path: str) -> GGUFVocab:
 
 def read_metadata(path: str) -> dict:
     """The file's tokenizer.* metadata as Python values (arrays as lists)."""
-    import gguf
+    from gguf_checkpoint import Reader
 
     try:
-        fields = gguf.GGUFReader(path).fields  # memory-mapped; the tensors are not read
+        fields = Reader(path).fields  # memory-mapped; the tensors are not read
         return {key: field.contents() for key, field in fields.items() if key.startswith("tokenizer.")}
     except Exception as e:  # the reader's errors are those of whatever a broken file trips on
         raise ValueError(f"{path} is not a GGUF file that can be read: {type(e).__name__}: {e}") from None
