@@ -70,6 +70,10 @@ def pytest_xdist_node_collection_finished(node, ids):
         raise pytest.UsageError(f"pytest-xdist did not group these tests by their xdist_group: {ungrouped[:2]}")
 
 
+def pytest_sessionfinish():
+    local_server.wait_for_stops()  # servers stopped with wait=False, on their threads
+
+
 @pytest.fixture(autouse=True)
 def quick_tests_start_nothing(request, monkeypatch):
     if request.node.get_closest_marker("slow") is not None:
@@ -107,6 +111,10 @@ def checkpoints(tmp_path_factory):
 
 DEMO = os.environ.get("TEST_WEIGHTS", os.path.join(ROOT, "demo"))  # the checkpoint the server tests serve
 SERVER_SLOTS = 4
+# handler.attention of the servers whose tests are about something else: auto compiles
+# FlexAttention's kernel as each rank loads (3-10 s here, both cores), which the shared server,
+# make serve's (test_startup.py) and test_attention.py's show
+NOT_FLEX = "sdpa"
 SERVER_MAX_SEQ_LEN = 512
 
 
@@ -178,7 +186,7 @@ def server(tmp_path_factory):
                             steps_per_iteration=1)
     srv.initial_pids = srv.worker_pids()
     yield srv
-    srv.stop()
+    srv.stop(wait=False)
 
 
 @pytest.fixture(scope="session")

@@ -184,7 +184,7 @@ def test_torchserve_with_flex_answers_as_in_process(tmp_path, demo_llama):
         chunks = server.stream({"prompt": prompts[0], "temperature": 0, "max_new_tokens": 24, "stop": stop})
         log = server.log()
     finally:
-        server.stop()
+        server.stop(wait=False)
     assert [a["generation"] for a in answers] == [e["generation"] for e in expected]
     assert "".join(c["text"] for c in chunks) == stopped["generation"] and chunks[-1]["finish_reason"] == "stop"
     assert "prefix caching on, attention flex, async scheduling on," in log

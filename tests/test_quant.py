@@ -21,7 +21,7 @@ import generate
 import llama2
 import quant
 from block_quant import BlockLinear
-from conftest import DEMO, SERVER_MAX_SEQ_LEN, SERVER_SLOTS, start_demo_server
+from conftest import DEMO, NOT_FLEX, SERVER_MAX_SEQ_LEN, SERVER_SLOTS, start_demo_server
 from torchrun import run
 
 HELD_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "devils_dictionary.txt")
@@ -281,11 +281,11 @@ def test_torchserve_with_int4_answers_as_int4_in_process(tmp_path, demo_llama):
     their logprobs are the int4 model's in this process (logprobs within the bf16 rounding
     of TP=2's partial sums)."""
     body = {"prompt": PROMPTS, "temperature": 0, "max_new_tokens": N_NEW, "logprobs": True}
-    server = start_demo_server(tmp_path, quantization="int4")
+    server = start_demo_server(tmp_path, quantization="int4", attention=NOT_FLEX)
     try:
         answers = server.generate(body)
     finally:
-        server.stop()
+        server.stop(wait=False)
     int4_demo_llama = llama2.tp_llama(None, DEMO, os.path.join(DEMO, "tokenizer.model"), 1,
                                       max_batch_size=SERVER_SLOTS, max_seq_len=SERVER_MAX_SEQ_LEN, quantization="int4")
     expected = int4_demo_llama.text_completion(PROMPTS, N_NEW, temperature=0, logprobs=True)

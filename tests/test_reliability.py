@@ -531,7 +531,7 @@ def limited(tmp_path_factory, demo_llama):
     srv = start_demo_server(tmp_path_factory.mktemp("limited"), limits=LIMITS, compile=True,
                             kv_cache_bytes=kv_cache_bytes, max_seq_len=LIMITED_SEQ_LEN)
     yield srv
-    srv.stop()
+    srv.stop(wait=False)
 
 
 def prompt_of(tokenizer, n_tokens: int) -> str:

@@ -78,7 +78,7 @@ def served(tmp_path_factory, tp: int, threads: int):
     srv = start_server(tmp_path_factory.mktemp("smollm2"), None, tp=tp, batch_size=8, threads=threads,
                        handler={"checkpoint": SMOLLM2, "tokenizer": SMOLLM2, "max_seq_len": 512})
     yield openai.OpenAI(base_url=f"{srv.url}/predictions/llama/1.0/v1", api_key=srv.key, max_retries=0)
-    srv.stop()
+    srv.stop(wait=False)
 
 
 def prompt_logprobs(model, tokens: list[int]) -> torch.Tensor:

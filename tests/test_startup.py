@@ -321,7 +321,7 @@ def configured(tmp_path_factory):
         assert status == 0, output[-3000:]
         yield server, output, outside
     finally:
-        server.stop()
+        server.stop(wait=False)
 
 
 def test_make_serve_shows_each_rank_loading(configured):

@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -141,7 +142,15 @@ class Server:
         self.key = wait_ready.inference_key(os.path.join(self.workdir, "key_file.json"))
         return done.returncode, done.stdout, time.perf_counter() - start
 
-    def stop(self):
+    def stop(self, wait: bool = True):
+        """Stop TorchServe and wait until its processes are gone (killed after 30 s); wait=False:
+        on a thread of its own, which wait_for_stops() joins (a server's processes take 3-10 s
+        to end, with nothing left for its tests to see)."""
+        if not wait:
+            stopping = threading.Thread(target=self.stop, name=f"stop {self.workdir}")
+            stopping.start()
+            STOPPING.append(stopping)
+            return
         java = self.frontend()
         try:  # before --stop: the frontend may be gone by the time it returns
             procs = ([java] + java.children(recursive=True)) if java else []
@@ -172,6 +181,16 @@ class Server:
         with open(os.path.join(self.workdir, "logs", name), errors="replace") as f:
             return f.read()
 
+    def logged(self, text: str, timeout: float = 10) -> bool:
+        """Whether the workers' log has text within timeout seconds: the frontend writes what
+        a worker prints on a thread of its own, and may answer the request first."""
+        deadline = time.time() + timeout
+        while text not in self.log():
+            if time.time() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     # --- requests ---------------------------------------------------------------------
 
     def headers(self, key: str | None = "default") -> dict:
@@ -194,6 +213,14 @@ class Server:
         r = self.post(body | {"stream": True}, stream=True)
         assert r.status_code == 200, r.text
         return [json.loads(line) for line in r.iter_lines() if line]
+
+
+STOPPING: list[threading.Thread] = []
+
+
+def wait_for_stops():
+    while STOPPING:
+        STOPPING.pop().join()
 
 
 def start_server(workdir, weights, tp: int = 2, env: dict | None = None, timeout: float = 300, **build) -> Server:
