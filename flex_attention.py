@@ -4,6 +4,7 @@ from the block tables tells each query which blocks to read whole and which one 
 masked (where its own position falls), so no sequence's keys are copied out, where
 GatherAttention copies them every layer (BENCHMARKS.md, attention backends)."""
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -14,9 +15,13 @@ from batch import Batch, to_device
 
 CHUNK_QUERY_BLOCK = 128  # a prefill chunk's queries share a block mask row per this many
 
-# Eager flex_attention is a dense reference that scores the whole pool: always compiled.
-# Inside a compiled model it is traced with the rest.
-compiled_flex = torch.compile(flex_attention, dynamic=True)
+
+@functools.cache
+def compiled_flex():
+    """flex_attention compiled: eager, it is a dense reference that scores the whole pool.
+    Inside a compiled model it is traced with the rest. Made at first use: torch.compile took
+    0.7 s of every process that imported this module (a rank, make serve's check), flex or not."""
+    return torch.compile(flex_attention, dynamic=True)
 
 
 @dataclass
@@ -71,7 +76,8 @@ def flex(xq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Block
     # of the rotated heads (a copy is elided)
     q = xq.transpose(0, 1).unsqueeze(0) * xq.shape[-1] ** -0.5
     gqa = xq.shape[1] != keys.shape[1]
-    return compiled_flex(q, keys, values, block_mask=mask, scale=1.0, enable_gqa=gqa)[0].transpose(0, 1)
+    attend = flex_attention if torch.compiler.is_compiling() else compiled_flex()  # traced: with the model
+    return attend(q, keys, values, block_mask=mask, scale=1.0, enable_gqa=gqa)[0].transpose(0, 1)
 
 
 def warm_decode(xq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_size: int):
