@@ -12,6 +12,7 @@ import pytest
 import llama2
 from attention import GatherAttention
 from batch import Batch
+from block_quant import BlockLinear
 from conftest import DEMO, TOKENIZER, start_demo_server
 from engine_worker import FLEX_CONFIGS, preempted, workload
 from flex_attention import FlexAttention
@@ -137,14 +138,17 @@ def test_flex_at_tp2_gives_tp1_tokens(sdpa_runs, tmp_path):
 
 
 @pytest.mark.slow  # torch.compile
-def test_compiled_auto_switches_backends_as_eager_sdpa_does(checkpoints):
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_compiled_auto_switches_backends_as_eager_sdpa_does(checkpoints, quantization):
     """compile_decode() with auto: decode steps of 8 rows with long contexts (flex) and of one
     short row (sdpa), in turns, give the eager gather + SDPA logits (an MHA model: there,
-    without flex's graphs compiled first, inductor failed to compile them)."""
+    without flex's graphs compiled first, inductor failed to compile them), unquantized and
+    with each QUANT's layers (on the CPU: block_quant's kernels, opaque ops in the graph)."""
     import torch
 
     runner = llama2.tp_llama(None, checkpoints["mha"][1]["hf"], TOKENIZER, 1, max_batch_size=8, max_seq_len=512,
-                             attention="sdpa").runner
+                             attention="sdpa", quantization=quantization).runner
+    assert (quantization is None) == (not any(isinstance(m, BlockLinear) for m in runner.model.modules()))
     vocab, size = runner.vocab_size, runner.block_size
 
     def decode_steps() -> list:
@@ -195,6 +199,7 @@ import sys
 sys.path[:0] = [sys.argv[1]]
 import llama2
 from batch import Batch
+from block_quant import BlockLinear
 from tp_worker import max_diff
 logits = {}
 for attention in ("flex", "sdpa"):
