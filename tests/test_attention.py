@@ -199,7 +199,6 @@ import sys
 sys.path[:0] = [sys.argv[1]]
 import llama2
 from batch import Batch
-from block_quant import BlockLinear
 from tp_worker import max_diff
 logits = {}
 for attention in ("flex", "sdpa"):
