@@ -3,6 +3,7 @@ stop_token_ids, ignore_eos, top-k and top logprobs against their formulas (OpenA
 vLLM's definitions) on known logits, and inside the Engine against the demo model's own
 logits; the seed API with a Llama."""
 
+import math
 import pytest
 import torch
 import torch.nn.functional as F
@@ -240,7 +241,37 @@ def test_sample_frequencies_follow_the_top_p_set():
     assert ((share - want).abs() <= 4 * (want * (1 - want) / n).sqrt()).all(), share
 
 
-def test_seeded_draws_ignore_how_ties_sort():
+def test_whole_vocabulary_draws_follow_the_distribution():
+    """top_p 1 without a top_k draws from the whole vocabulary by its CDF (inverse_cdf): each
+    token as often as its probability, none of probability 0 (masked, as a grammar or
+    min_tokens does: at the vocabulary's ends and at a chunk's edges too)."""
+    vocab = 2 * sampler.CDF_CHUNK + 100  # two whole chunks and a padded one
+    logits = torch.full((1, vocab), float("-inf"))
+    heavy = {0: 0.3, sampler.CDF_CHUNK - 1: 0.2, sampler.CDF_CHUNK: 0.1, vocab - 2: 0.25}
+    for token, p in heavy.items():
+        logits[0, token] = math.log(p)
+    logits[0, 1000:1050] = math.log(0.15 / 50)  # spread over many tokens
+    n = 6000
+    draws = torch.stack([sampler.sample(logits, [seeded(s)])[0] for s in range(n)])
+    counts = torch.bincount(draws, minlength=vocab).double()
+    allowed = torch.isfinite(logits[0])
+    assert counts[~allowed].sum() == 0
+    for token, p in list(heavy.items()) + [(slice(1000, 1050), 0.15)]:
+        share = counts[token].sum() / n
+        assert abs(share - p) <= 4 * math.sqrt(p * (1 - p) / n), (token, share)
+
+
+def test_whole_vocabulary_draw_at_the_uniforms_ends():
+    """The smallest and the largest uniform that the keys make land on the first and the
+    last token of probability above 0, never on a masked one past them."""
+    logits = torch.full((2, 3 * sampler.CDF_CHUNK), float("-inf"))
+    logits[:, [5, 700]] = 0.0
+    keys = torch.tensor([[0, 0], [2**32 - 1, 2**32 - 1]])
+    assert sampler.inverse_cdf(logits, keys).tolist() == [5, 700]
+
+
+@pytest.mark.parametrize("top_p", [0.9, 1.0])
+def test_seeded_draws_ignore_how_ties_sort(top_p):
     """A seed's token does not depend on the order that rounding gives equally probable
     tokens: many tokens tie here, and nudging them by an ulp one way or the other reverses
     their sorted order. Drawing by sorted position (torch.multinomial over the sorted
@@ -250,7 +281,7 @@ def test_seeded_draws_ignore_how_ties_sort():
     logits = torch.zeros(1, vocab)
     logits[0, :4] = 1.0
     ulp = torch.arange(vocab) % 2 * 1e-6
-    picks = {sign: [int(sampler.sample(logits + sign * ulp, [seeded(s, top_p=0.9)])[0]) for s in range(100)]
+    picks = {sign: [int(sampler.sample(logits + sign * ulp, [seeded(s, top_p=top_p)])[0]) for s in range(100)]
              for sign in (1, -1)}
     assert picks[1] == picks[-1]
     assert len(set(picks[1])) > 20  # the draws do spread over the tied tokens
