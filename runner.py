@@ -102,8 +102,10 @@ class ModelRunner:
         return GatherAttention.build(batch, positions, self.block_size, self.dtype)
 
     def flex_may_pay(self) -> bool:
-        """Whether auto considers flex here (measured on CPU only so far)."""
-        return self.device.type != "cuda"
+        """Whether auto considers flex here: on CPU (measured there only so far), with a pool of
+        at least FLEX_FROM_TOKENS tokens (a smaller one reaches them only through a prefix that
+        several sequences share: it stays with sdpa and compiles no flex kernel or graph)."""
+        return self.device.type != "cuda" and self.num_blocks * self.block_size >= FLEX_FROM_TOKENS
 
     def may_use_flex(self) -> bool:
         """Whether a step may attend with FlexAttention, which is compiled at its first use

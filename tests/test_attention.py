@@ -81,6 +81,11 @@ def test_auto_picks_flex_for_steps_that_gather_many_tokens(checkpoints):
     assert picked(8, 1024) is GatherAttention
     runner.attention = "flex"
     assert picked(1, 16) is FlexAttention
+    # a pool short of FLEX_FROM_TOKENS reaches them only through a prefix the rows share: auto stays with sdpa
+    runner.attention = "auto"
+    runner.allocate(num_blocks=FLEX_FROM_TOKENS // size - 1)
+    assert not runner.may_use_flex()
+    assert picked(4, FLEX_FROM_TOKENS // 4) is GatherAttention
 
 
 @pytest.fixture(scope="module")
@@ -232,23 +237,27 @@ import sys
 sys.path[:0] = [sys.argv[1]]
 import flex_attention, loading
 from serving_config import ServingConfig
-engine, _ = loading.load(ServingConfig(checkpoint=sys.argv[2], attention=sys.argv[3]), sys.argv[1], 4, 1,
+engine, _ = loading.load(ServingConfig(checkpoint=sys.argv[2], attention=sys.argv[3], max_seq_len=int(sys.argv[4])),
+                         sys.argv[1], 4, 1,
                          lambda *args, **kwargs: None)
 print(flex_attention.has_graph())
 """
 
 
 @pytest.mark.slow  # torch.compile (flex)
-@pytest.mark.parametrize("attention, compiled", [("auto", True), ("sdpa", False)])
-def test_an_eager_worker_compiles_flex_as_it_loads(attention, compiled):
+@pytest.mark.parametrize("attention, max_seq_len, compiled", [("auto", 512, True), ("sdpa", 512, False),
+                                                               ("auto", 256, False)])
+def test_an_eager_worker_compiles_flex_as_it_loads(attention, max_seq_len, compiled):
     """An eager worker that may attend with FlexAttention compiles its kernel as it loads, not
     in the first step past FLEX_FROM_TOKENS cached tokens (a 13 s step that held every
-    stream); one that never uses it compiles nothing."""
+    stream); one that never uses it compiles nothing: sdpa, or auto with a KV cache that
+    cannot hold FLEX_FROM_TOKENS tokens (4 rows of 256)."""
     import subprocess
     import sys
 
     from conftest import ROOT
 
-    done = subprocess.run([sys.executable, "-c", LOADED_FLEX, ROOT, DEMO, attention], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", LOADED_FLEX, ROOT, DEMO, attention, str(max_seq_len)],
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == str(compiled)
