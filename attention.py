@@ -29,7 +29,9 @@ class GatherAttention:
         device = positions.device
         decode_blocks = decode_mask = None
         if batch.n_decode:
-            width = max(map(len, batch.decode_blocks))
+            # at least two blocks (padding ones masked off): a width of one would be a graph of
+            # its own for the compiled decode step (torch.compile specializes sizes of 1)
+            width = max(2, *map(len, batch.decode_blocks))
             decode_blocks = to_device([b + [0] * (width - len(b)) for b in batch.decode_blocks], device)
             key_pos = torch.arange(width * block_size, device=device)
             decode_mask = additive_mask(key_pos <= positions[:batch.n_decode, None], dtype)[:, None, None]
