@@ -137,8 +137,9 @@ class ModelRunner:
         """torch.compile the decode step (one token for each of several sequences), which
         removes most of the per-operation overhead, and compile it now rather than in the
         first requests. Shapes are dynamic, so that growing block tables do not recompile;
-        one row and several rows, one block and several, compile a graph each. Meant for one
-        model per process: torch.compile's recompile limit (8) counts every model's graphs.
+        one row and several rows compile a graph each (a table of one block is padded to two).
+        Meant for one model per process: torch.compile's recompile limit (8) counts every
+        model's graphs.
 
         cuda_graphs: also replay each decode step from a CUDA graph (mode "reduce-overhead"),
         so that a GPU step costs its weights' bytes rather than hundreds of kernel launches.

@@ -99,12 +99,17 @@ def test_per_row_positions_and_slots_equal_full_forward(checkpoints, config):
 @pytest.mark.slow
 def test_compiled_decode_equals_eager_and_never_recompiles(checkpoints):
     """compile_decode() (torch.compile of the one-token steps) changes no logits, and the
-    three graphs it compiles up front serve every batch size and position: a recompile
-    here would be one per position in a server (and eager again after 8)."""
-    model = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1, max_batch_size=8).runner
+    two graphs it compiles up front, one row and several (block tables of one block are
+    padded to two), serve every batch size and position: a recompile here would be one per
+    position in a server (and eager again after 8). With sdpa: these contexts never reach
+    auto's flex, whose compiled steps test_attention.py checks."""
+    model = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1, max_batch_size=8,
+                            attention="sdpa").runner
     tokens = fixed_tokens(model.vocab_size)
     eager = run_model(model, tokens)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     model.compile_decode()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = run_model(model, tokens)
         model(tokens[:1, :1], 0)  # a one-token prompt's prefill
