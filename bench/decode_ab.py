@@ -16,12 +16,11 @@ into BENCHMARKS.md (decode_ab).
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 import report
-from report import checkout
+from report import LoadedProcess, checkout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
@@ -52,33 +51,15 @@ for line in sys.stdin:  # a batch size: one timed call
 """ % {"prompt": PROMPT, "new": NEW}
 
 
-class Tree:
-    """One tree's process, loaded with a checkpoint, timing one generate call at a time."""
-
-    def __init__(self, tree: str, ckpt: str):
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-c", RUN, tree, ckpt], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
-        assert self.proc.stdout.readline().strip() == "ready", f"{tree} failed to load"
-
-    def seconds(self, batch: int) -> float:
-        self.proc.stdin.write(f"{batch}\n")
-        self.proc.stdin.flush()
-        return float(self.proc.stdout.readline())
-
-    def close(self):
-        self.proc.stdin.close()
-        self.proc.wait()
-
-
 def paired_round(trees: dict, ckpt: str, calls: int) -> dict:
     """{batch: {name: [seconds of each call]}}: calls of each tree in turn, the order alternating."""
-    procs = {name: Tree(tree, ckpt) for name, tree in trees.items()}
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = {name: LoadedProcess(RUN, tree, ckpt, env=env) for name, tree in trees.items()}
     times = {b: {name: [] for name in trees} for b in (1, 8)}
     for call in range(calls):
         for b in (1, 8):
             for name in list(procs)[::1 if call % 2 == 0 else -1]:
-                times[b][name].append(procs[name].seconds(b))
+                times[b][name].append(float(procs[name].ask(str(b))))
     for proc in procs.values():
         proc.close()
     return times

@@ -71,6 +71,25 @@ def fresh_process(code: str, *args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+class LoadedProcess:
+    """python -c script args, which loads what it measures, prints "ready", then answers each
+    line it reads with one line: a tree's process that several measurements take turns with."""
+
+    def __init__(self, script: str, *args: str, env: dict | None = None):
+        self.proc = subprocess.Popen([sys.executable, "-c", script, *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        assert self.proc.stdout.readline().strip() == "ready", f"{args} failed to load"
+
+    def ask(self, line: str) -> str:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline()
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
 def rounds_arguments(doc: str) -> argparse.Namespace:
     """--rounds (fresh processes per setting, alternating) and --no-write (print only)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -18,12 +18,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 import report
-from report import checkout
+from report import LoadedProcess, checkout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCABS = (49152, 128256)
@@ -75,23 +74,6 @@ for line in sys.stdin:
 """
 
 
-class Tree:
-    def __init__(self, tree: str, gguf: str):
-        args = json.dumps([SETTINGS, VOCABS, NEW])
-        self.proc = subprocess.Popen([sys.executable, "-c", RUN, tree, gguf, args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout.readline().strip() == "ready", f"{tree} failed to load"
-
-    def ask(self, part: str, setting: str):
-        self.proc.stdin.write(f"{part} {setting}\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
-
-    def close(self):
-        self.proc.stdin.close()
-        self.proc.wait()
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", default="9de82c0")
@@ -100,13 +82,16 @@ def main():
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="sampling_ab_") as tmp:
-        trees = {"now": Tree(ROOT, a.gguf), a.baseline: Tree(checkout(a.baseline, os.path.join(tmp, "base")), a.gguf)}
+        settings = json.dumps([SETTINGS, VOCABS, NEW])
+        trees = {name: LoadedProcess(RUN, tree, a.gguf, settings)
+                 for name, tree in (("now", ROOT), (a.baseline, checkout(a.baseline, os.path.join(tmp, "base"))))}
         got = {}  # (part, setting, name) -> [answers]
         for call in range(a.calls):
             for part in ("sampler", "decode"):
                 for setting in SETTINGS if part == "sampler" else ("top_p 1", "top_p 0.9"):
                     for name in list(trees)[::1 if call % 2 == 0 else -1]:
-                        got.setdefault((part, setting, name), []).append(trees[name].ask(part, setting))
+                        answer = json.loads(trees[name].ask(f"{part} {setting}"))
+                        got.setdefault((part, setting, name), []).append(answer)
         for tree in trees.values():
             tree.close()
     now, base = "now", a.baseline
