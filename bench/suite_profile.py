@@ -1,0 +1,131 @@
+"""Where `make test`'s time goes: the suite as `make test` runs it (two pytest-xdist workers),
+with each test's wall time by module and the machine's CPU time by the kind of process that
+spent it (pytest's workers, torchrun's ranks and launchers, TorchServe, the C++ compiler),
+read from /proc every half second:
+
+    python bench/suite_profile.py [--cold] [--out FILE] [pytest arguments, e.g. tests/test_tp.py]
+
+--cold: inductor's cache in an empty folder, as a fresh clone's first run has it. Prints the
+two tables (markdown), and writes them to --out. The tables of one run are in
+docs/test-suite.md.
+"""
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HZ = os.sysconf("SC_CLK_TCK")
+KINDS = [  # (kind, what its command line holds), the first that matches
+    ("C++ compiler", ("cc1plus", "/ld ", "collect2", "/as ")),
+    ("TorchServe's frontend (Java)", ("java",)),
+    ("TorchServe's workers (torchrun's ranks)", ("model_service_worker",)),
+    ("torchrun launcher (the tests' and TorchServe's)", ("torch.distributed.run",)),
+    ("torchrun rank (tests/*_worker.py)", ("_worker.py",)),
+    ("pytest worker (in-process tests)", ("exec(eval(sys.stdin.readline()))", "pytest")),
+]
+
+
+def kind(cmdline: str) -> str:
+    for name, marks in KINDS:
+        if any(mark in cmdline for mark in marks):
+            return name
+    words = cmdline.split()
+    return "other: " + " ".join(os.path.basename(w) for w in words[:2]) if words else "other"
+
+
+def processes() -> dict:
+    """{(pid, start time): (cpu seconds, command line)} of every process now (the process's
+    name where its command line is that alone, as for TorchServe's workers)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                name, fields = f.read().split("(", 1)[1].rsplit(")", 1)
+            with open(f"/proc/{pid}/cmdline") as f:
+                cmdline = f.read().replace("\0", " ").strip()
+        except OSError:
+            continue
+        fields = fields.split()
+        found[pid, fields[19]] = ((int(fields[11]) + int(fields[12])) / HZ, cmdline if " " in cmdline else name)
+    return found
+
+
+def sample_cpu(done: threading.Event) -> collections.Counter:
+    """CPU seconds by kind spent while done is unset (a process seen at the start counts from there)."""
+    start = processes()
+    last = dict(start)
+    while not done.wait(0.5):  # a process's command line as first seen: an exiting one's is empty
+        last.update({key: (cpu, last.get(key, (0, cmdline))[1]) for key, (cpu, cmdline) in processes().items()})
+    by_kind = collections.Counter()
+    for key, (cpu, cmdline) in last.items():
+        by_kind[kind(cmdline)] += cpu - start.get(key, (0.0,))[0]
+    return by_kind
+
+
+# --- the pytest plugin (-p bench.suite_profile; bench/ itself is not on the path: its modules'
+# names are the product's): one line per test phase ---------------------------
+
+def pytest_runtest_logreport(report):
+    if "PYTEST_XDIST_WORKER" in os.environ and (out := os.environ.get("SUITE_PROFILE_OUT")):
+        with open(out, "a") as f:
+            f.write(json.dumps({"test": report.nodeid.split("@")[0], "seconds": report.duration}) + "\n")
+
+
+def run(pytest_args: list[str], cold: bool) -> tuple[float, collections.Counter, collections.Counter, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, SUITE_PROFILE_OUT=os.path.join(tmp, "tests.jsonl"))
+        if cold:
+            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
+        done = threading.Event()
+        cpu = {}
+        sampler = threading.Thread(target=lambda: cpu.update(by_kind=sample_cpu(done)))
+        sampler.start()
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup",
+                               "-p", "bench.suite_profile", *(pytest_args or ["tests"])],
+                              cwd=ROOT, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        done.set()
+        sampler.join()
+        by_module = collections.Counter()
+        if os.path.exists(env["SUITE_PROFILE_OUT"]):
+            for line in open(env["SUITE_PROFILE_OUT"]):
+                row = json.loads(line)
+                by_module[row["test"].split("::")[0]] += row["seconds"]
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
+    return wall, by_module, cpu["by_kind"], summary
+
+
+def tables(wall: float, by_module: collections.Counter, by_kind: collections.Counter, top: int = 20) -> str:
+    cpu = sum(by_kind.values())
+    lines = [f"Wall time {wall:.0f} s; CPU time {cpu:.0f} s ({cpu / wall / os.cpu_count():.0%} of "
+             f"{os.cpu_count()} cores).", "", "| kind of process | CPU s | share |", "|---|---|---|"]
+    lines += [f"| {k} | {v:.0f} | {v / cpu:.0%} |" for k, v in by_kind.most_common()]
+    total = sum(by_module.values())
+    lines += ["", f"| module (top {top}) | its tests' wall s, both workers | share |", "|---|---|---|"]
+    lines += [f"| {m} | {v:.0f} | {v / total:.0%} |" for m, v in by_module.most_common(top)]
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cold", action="store_true", help="inductor's cache in an empty folder")
+    ap.add_argument("--out", help="also write the tables here")
+    a, pytest_args = ap.parse_known_args()
+    wall, by_module, by_kind, summary = run(pytest_args, a.cold)
+    text = f"{summary}\n\n{tables(wall, by_module, by_kind)}\n"
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
