@@ -23,7 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HZ = os.sysconf("SC_CLK_TCK")
 KINDS = [  # (kind, what its command line holds), the first that matches
-    ("C++ compiler", ("cc1plus", "/ld ", "collect2", "/as ")),
+    ("C++ compiler", ("cc1plus", "g++ ", "c++ ", "collect2", "ninja ")),
     ("TorchServe's frontend (Java)", ("java",)),
     ("TorchServe's workers (torchrun's ranks)", ("model_service_worker",)),
     ("torchrun launcher (the tests' and TorchServe's)", ("torch.distributed.run",)),
@@ -107,7 +107,9 @@ def tables(wall: float, by_module: collections.Counter, by_kind: collections.Cou
     cpu = sum(by_kind.values())
     lines = [f"Wall time {wall:.0f} s; CPU time {cpu:.0f} s ({cpu / wall / os.cpu_count():.0%} of "
              f"{os.cpu_count()} cores).", "", "| kind of process | CPU s | share |", "|---|---|---|"]
-    lines += [f"| {k} | {v:.0f} | {v / cpu:.0%} |" for k, v in by_kind.most_common()]
+    rows = [(k, v) for k, v in by_kind.most_common() if v >= cpu / 200]
+    rows.append(("everything else (kernel threads, shells, each under 0.5 %)", cpu - sum(v for _, v in rows)))
+    lines += [f"| {k} | {v:.0f} | {v / cpu:.0%} |" for k, v in rows]
     total = sum(by_module.values())
     lines += ["", f"| module (top {top}) | its tests' wall s, both workers | share |", "|---|---|---|"]
     lines += [f"| {m} | {v:.0f} | {v / total:.0%} |" for m, v in by_module.most_common(top)]
