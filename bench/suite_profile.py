@@ -61,8 +61,9 @@ def sample_cpu(done: threading.Event) -> collections.Counter:
     """CPU seconds by kind spent while done is unset (a process seen at the start counts from there)."""
     start = processes()
     last = dict(start)
-    while not done.wait(0.5):  # a process's command line as first seen: an exiting one's is empty
-        last.update({key: (cpu, last.get(key, (0, cmdline))[1]) for key, (cpu, cmdline) in processes().items()})
+    while not done.wait(0.5):
+        for key, (cpu, cmdline) in processes().items():  # the command line as first seen: an exiting process's is empty
+            last[key] = (cpu, last.get(key, (cpu, cmdline))[1])
     by_kind = collections.Counter()
     for key, (cpu, cmdline) in last.items():
         by_kind[kind(cmdline)] += cpu - start.get(key, (0.0,))[0]
@@ -70,7 +71,7 @@ def sample_cpu(done: threading.Event) -> collections.Counter:
 
 
 # --- the pytest plugin (-p bench.suite_profile; bench/ itself is not on the path: its modules'
-# names are the product's): one line per test phase ---------------------------
+# names are the product's): one line per test phase
 
 def pytest_runtest_logreport(report):
     if "PYTEST_XDIST_WORKER" in os.environ and (out := os.environ.get("SUITE_PROFILE_OUT")):
