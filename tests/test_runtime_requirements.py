@@ -43,6 +43,7 @@ dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, w
 for payload in (b"", b"a batch", bytes(range(256)) * 40):
     assert collectives.broadcast_bytes(payload, dist.group.WORLD) == payload
     assert collectives.all_gather_bytes(payload) == [payload]
+dist.destroy_process_group()  # before exit: gloo's threads still running then aborted it once
 print("served")
 """
     run = run_runtime_only(tmp_path, code)
