@@ -15,6 +15,7 @@ from structured import apply_bitmask
 # most probable 0.4; a set of top_p 0.9 at temperature 0.7 often reaches past 64)
 CANDIDATES, NUCLEUS = 64, 1024
 CDF_CHUNK = 512  # tokens whose mass is summed at once in inverse_cdf
+TOPK_BLOCK = 128  # tokens per block in top_n's first pass
 MASK32 = 0xFFFFFFFF
 
 
@@ -135,14 +136,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     device = logits.device
     tokens = torch.zeros(len(seqs), dtype=torch.long, device=device)
     greedy = [i for i, s in enumerate(seqs) if s.params.temperature == 0]
-    if greedy:
-        index = to_device(greedy, device)
-        tokens[index] = logits[index].argmax(dim=-1)
+    if greedy:  # max's indices are argmax's (the first of equal maxima), 3x faster here at batch 8
+        tokens[to_device(greedy, device)] = rows_of(logits, greedy).max(dim=-1).indices
     rows = [i for i, s in enumerate(seqs) if s.params.temperature > 0]
     if not rows:
         return tokens
     params, index = [seqs[i].params for i in rows], to_device(rows, device)
-    scaled = logits[index] / to_device([p.temperature for p in params], device)[:, None]
+    scaled = rows_of(logits, rows) / to_device([p.temperature for p in params], device)[:, None]
     top_k = to_device([p.top_k for p in params], device)
     top_p = to_device([p.top_p for p in params], device, scaled.dtype)[:, None]
     keys = torch.stack([torch.randint(0, MASK32 + 1, (2,), generator=seqs[i].generator) for i in rows]).to(device)
@@ -152,18 +152,21 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     # at once (its set is every token of probability above 0)
     looks = [p.top_p < 1 or 0 < p.top_k < scaled.shape[-1] for p in params]
     left = [j for j, look in enumerate(looks) if look]
+    if left:  # the log of each row's total mass, for the candidates' probabilities
+        lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
     for n in (CANDIDATES, NUCLEUS):
         if not left:
             break
         some = to_device(left, device)
         some_drawn = torch.empty(len(left), dtype=torch.long, device=device)
-        found = among_candidates(scaled[some], top_k[some], top_p[some], keys[some], some_drawn, n)
+        found = among_candidates(rows_of(scaled, left), top_k[some], top_p[some], keys[some], some_drawn,
+                                 rows_of(lse, left), n)
         drawn[some] = some_drawn
         left = [j for j, inside in zip(left, found.tolist()) if not inside]
     everything = [j for j, look in enumerate(looks) if not look]
     if everything:
         some = to_device(everything, device)
-        drawn[some] = inverse_cdf(scaled[some], keys[some])
+        drawn[some] = inverse_cdf(rows_of(scaled, everything), keys[some])
     if left:
         rest = to_device(left, device)
         drawn[rest] = among_all(scaled[rest], top_k[rest], top_p[rest], keys[rest])
@@ -171,19 +174,39 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return tokens
 
 
+def rows_of(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t's rows (ascending, no repeats): t itself where they are all of them, else a copy."""
+    return t if len(rows) == len(t) else t[to_device(rows, t.device)]
+
+
+def top_n(scaled: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(scaled, n, dim=-1), looked for only in the n blocks of TOPK_BLOCK tokens with
+    the largest maxima: the block of one of the n largest values has fewer than n blocks of
+    larger maxima, each holding a larger value. Where the blocks are not many more than n,
+    topk over all of them costs no more."""
+    b, vocab = scaled.shape
+    if vocab % TOPK_BLOCK or vocab // TOPK_BLOCK <= 4 * n:
+        return torch.topk(scaled, n, dim=-1)
+    blocks = scaled.view(b, -1, TOPK_BLOCK)
+    best = blocks.amax(dim=-1).topk(n, dim=-1).indices  # (b, n)
+    inside = blocks.gather(1, best[:, :, None].expand(-1, -1, TOPK_BLOCK)).view(b, -1)
+    values, at = inside.topk(n, dim=-1)
+    return values, best.gather(1, at // TOPK_BLOCK) * TOPK_BLOCK + at % TOPK_BLOCK
+
+
 def among_candidates(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, keys: torch.Tensor,
-                     drawn: torch.Tensor, n: int = CANDIDATES) -> torch.Tensor:
+                     drawn: torch.Tensor, lse: torch.Tensor, n: int = CANDIDATES) -> torch.Tensor:
     """Draws each row's token among its n most probable ones into drawn; returns which rows'
-    sets lie within them (the others' drawn entries mean nothing)."""
+    sets lie within them (the others' drawn entries mean nothing). lse: logsumexp of each row
+    (b, 1)."""
     vocab = scaled.shape[-1]
     n = min(n, vocab)
-    values, ids = torch.topk(scaled, n, dim=-1)
+    values, ids = top_n(scaled, n)
     cut = ((top_k > 0) & (top_k < vocab))[:, None]  # a top_k that leaves tokens out
     k = torch.where(cut[:, 0] & (top_k <= n), top_k, n)[:, None]
     in_top_k = values >= values.gather(-1, k - 1)  # ties at the k-th stay in
     # probabilities over the top-k set (over all tokens without one), as a softmax of it gives them
-    norm = torch.where(cut, torch.logsumexp(values.masked_fill(~in_top_k, float("-inf")), -1, keepdim=True),
-                       torch.logsumexp(scaled, dim=-1, keepdim=True))
+    norm = torch.where(cut, torch.logsumexp(values.masked_fill(~in_top_k, float("-inf")), -1, keepdim=True), lse)
     probs = (values - norm).exp_().masked_fill_(~in_top_k, 0.0)
     least = probs.gather(-1, top_p_count(probs, top_p) - 1)
     # outside the candidates every token is at most as probable as the last one: the set lies

@@ -301,12 +301,35 @@ def test_candidates_draw_what_the_whole_vocabulary_draws(temperature, top_k, top
     top_ks, top_ps = torch.full((64,), top_k), torch.full((64, 1), top_p)
     keys = torch.randint(0, 2**32, (64, 2), generator=gen)
     drawn = torch.empty(64, dtype=torch.long)
-    found = sampler.among_candidates(scaled, top_ks, top_ps, keys, drawn)
+    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    found = sampler.among_candidates(scaled, top_ks, top_ps, keys, drawn, lse)
     whole = sampler.among_all(scaled, top_ks, top_ps, keys)
     assert torch.equal(drawn[found], whole[found])
     # the flattest row's set reaches past the candidates, but for a top_k within them
     assert found.any() == some_found and bool(found[0]) == (0 < top_k <= sampler.CANDIDATES)
     # the second look, among the NUCLEUS most probable, finds those sets and more, drawing the same
-    found_more = sampler.among_candidates(scaled, top_ks, top_ps, keys, drawn, sampler.NUCLEUS)
+    found_more = sampler.among_candidates(scaled, top_ks, top_ps, keys, drawn, lse, sampler.NUCLEUS)
     assert torch.equal(drawn[found_more], whole[found_more]) and bool((found_more | ~found).all())
     assert found.all() or int(found_more.sum()) > int(found.sum()) or (top_p, top_k) == (1.0, 0)
+
+
+def test_top_n_finds_what_topk_finds():
+    """top_n's two passes (the blocks with the largest maxima, then topk within them) give
+    torch.topk's values, and ids that hold them: on rows whose largest values crowd into one
+    block, spread one to a block, tie across blocks, or are mostly masked (-inf, as a grammar
+    leaves them); with a vocabulary of whole blocks and one that is not."""
+    gen = torch.Generator().manual_seed(3)
+    block, n = sampler.TOPK_BLOCK, sampler.CANDIDATES
+    for vocab in (block * 5 * n, block * 5 * n + 7):
+        rows = torch.randn(6, vocab, generator=gen)
+        rows[1, 2 * block:2 * block + n] += 10  # all of them in one block
+        rows[2, torch.arange(n) * block * 3 + 5] += 10  # one to a block, far apart
+        rows[3] = torch.randint(0, 3, (vocab,), generator=gen).float()  # ties everywhere
+        rows[4] = float("-inf")
+        rows[4, torch.randperm(vocab, generator=gen)[:n + 9]] = torch.randn(n + 9, generator=gen)
+        rows[5, -block:] += 20  # the last block, partly past the whole ones
+        values, ids = sampler.top_n(rows, n)
+        want = torch.topk(rows, n, dim=-1).values
+        assert torch.equal(values, want)
+        assert torch.equal(rows.gather(-1, ids), values)
+        assert all(len(set(r)) == n for r in ids.tolist())
