@@ -114,10 +114,7 @@ def main():
 `python bench/sampling_ab.py {' '.join(sys.argv[1:])}` — {report.header()}; baseline {a.baseline}, \
 {a.calls} calls of each tree in turn (the order alternating), one process per tree, 2 threads.
 
-A row with top_p 1 and no top_k draws from the whole vocabulary. Before, that was an exponential race that
-hashed every token id (about 20 integer operations over the vocabulary, row by row). Now it inverts the CDF:
-sums over chunks of 512 tokens, then a cumulative sum inside the one chunk the uniform falls in. Rows with a
-top-p set, top_k, or greedy take the same path as before. Sampler rows: median microseconds of
+What changed since the baseline: docs/tuning-log.md. Sampler rows: median microseconds of
 `sampler.sample` on random peaked logits (ratio: now / baseline, lower is better). Decode rows:
 `generate.generate` on {os.path.basename(a.gguf)}, QUANT=int4, eager, 8 prompts, {NEW} new tokens, EOS off
 (ratio: now / baseline tokens/s, the median of the pairs' ratios).
