@@ -1,4 +1,4 @@
-"""A rank of test_gguf.py's block test, started by torchrun (tests/torchrun.py):
+"""A rank of test_gguf.py's block test, started by tests/torchrun.py:
 
     blocks_worker.py OUT_DIR FILE QUANTIZATION TOKENIZER
 

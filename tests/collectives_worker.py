@@ -1,4 +1,4 @@
-"""A rank for test_collectives.py, started by torchrun (tests/torchrun.py):
+"""A rank for test_collectives.py, started by tests/torchrun.py:
 
     collectives_worker.py OUT_DIR ops|no-room|peer-dies|out-of-step|setup|setup-raises [RANK]
 

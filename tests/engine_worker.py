@@ -1,5 +1,5 @@
-"""The engine workload of test_engine.py, in-process or as one tensor-parallel rank under
-torchrun (tests/torchrun.py):
+"""The engine workload of test_engine.py, in-process or as one tensor-parallel rank started by
+tests/torchrun.py:
 
     engine_worker.py OUT_DIR FOLDER [constrained | speculative | flex | async]
 

@@ -1,4 +1,4 @@
-"""One tensor-parallel rank of test_generate_tp.py, started by torchrun:
+"""One tensor-parallel rank of test_generate_tp.py, started by tests/torchrun.py:
 
     generate_worker.py OUT_DIR SPEC_JSON
 

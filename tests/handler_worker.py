@@ -1,4 +1,4 @@
-"""One rank of test_handler_tp.py, started by torchrun (tests/torchrun.py):
+"""One rank of test_handler_tp.py, started by tests/torchrun.py:
 
     handler_worker.py OUT_DIR OVERLAP CHECKPOINT [SUITE]
 

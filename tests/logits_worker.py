@@ -1,4 +1,4 @@
-"""A tensor-parallel rank for test_llama3.py, started by torchrun (tests/torchrun.py):
+"""A tensor-parallel rank for test_llama3.py, started by tests/torchrun.py:
 
     logits_worker.py OUT_DIR [--tokenizer PATH] FOLDER [FOLDER ...]
 

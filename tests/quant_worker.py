@@ -1,4 +1,4 @@
-"""One tensor-parallel rank of test_quant.py, started by torchrun (tests/torchrun.py):
+"""One tensor-parallel rank of test_quant.py, started by tests/torchrun.py:
 
     quant_worker.py OUT_DIR MODE PROMPT...
 

@@ -1,4 +1,4 @@
-"""One rank of test_seeds.py's TP=2 test, started by torchrun:
+"""One rank of test_seeds.py's TP=2 test, started by tests/torchrun.py:
 
     seeds_worker.py OUT_DIR PTH_FILE DEMO_FOLDER
 

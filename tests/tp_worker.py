@@ -1,4 +1,4 @@
-"""A tensor-parallel rank for test_tp.py, started by torchrun (tests/torchrun.py):
+"""A tensor-parallel rank for test_tp.py, started by tests/torchrun.py:
 
     tp_worker.py OUT_DIR FOLDER [--compile]
 
