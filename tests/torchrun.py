@@ -41,11 +41,12 @@ def run_ranks(cmd: list, env: dict, nproc: int, timeout: int) -> tuple[str, str]
     logs = [tempfile.TemporaryFile("w+") for _ in range(nproc)]
     ranks = [subprocess.Popen(cmd, env=dict(shared, RANK=str(r), LOCAL_RANK=str(r)), stdout=log,
                               stderr=subprocess.STDOUT, text=True) for r, log in enumerate(logs)]
-    deadline, failed = time.monotonic() + timeout, ""
-    while not failed and any(rank.poll() is None for rank in ranks):
+    deadline = time.monotonic() + timeout
+    while not (failed := first_failure(ranks)) and any(rank.poll() is None for rank in ranks):
+        if time.monotonic() > deadline:
+            failed = f"timed out after {timeout} s"
+            break
         time.sleep(0.05)
-        failed = first_failure(ranks) or (f"timed out after {timeout} s" if time.monotonic() > deadline else "")
-    failed = failed or first_failure(ranks)
     for rank in ranks:
         if rank.poll() is None:
             rank.kill()
