@@ -1,6 +1,7 @@
 """A private TorchServe for tests and benchmarks: its own ports (free ones, so that it never meets a
 running `make serve`), its own pid file and key file, the repository's configs otherwise."""
 
+import collections
 import json
 import os
 import random
@@ -43,12 +44,17 @@ def free_port(taken: set = frozenset()) -> int:
 
 def free_port_range(n: int, taken: set = frozenset()) -> int:
     """A base port b with b..b+n-1 free and not taken, for the ranks' worker sockets."""
+    blocked = collections.Counter()
     for _ in range(100):
         base = free_port(taken)
-        if base + n < PORTS.stop and all(base + i not in taken and port_free(base + i)
-                                         and not os.path.exists(f"/tmp/.ts.sock.{base + i}") for i in range(n)):
+        why = "past the range" if base + n >= PORTS.stop else next(
+            (reason for i in range(n) for reason, bad in (
+                ("taken", base + i in taken), ("bound", not port_free(base + i)),
+                ("a socket file left", os.path.exists(f"/tmp/.ts.sock.{base + i}"))) if bad), None)
+        if why is None:
             return base
-    raise RuntimeError("no free port range")
+        blocked[why] += 1
+    raise RuntimeError(f"no free range of {n} ports in {PORTS.start}-{PORTS.stop - 1}: {dict(blocked)}")
 
 
 def port_free(port: int) -> bool:
