@@ -31,12 +31,15 @@ BIN = os.path.dirname(sys.executable)
 # tests' pytest-xdist workers: tests/conftest.py) never pick the same port.
 FIRST_PORT, LAST_PORT = map(int, os.environ.get("LOCAL_SERVER_PORTS", "20000-32767").split("-"))
 PORTS = range(FIRST_PORT, LAST_PORT + 1)
+# its own generator: where something seeds the global one (the suite does, somewhere, before each
+# test), every server drew the same ports, and stale /tmp/.ts.sock files came to block them all
+PICK = random.Random()
 
 
 def free_port(taken: set = frozenset()) -> int:
     """A free port, not one of taken (chosen for the same server, not bound yet)."""
     for _ in range(1000):
-        port = random.choice(PORTS)
+        port = PICK.choice(PORTS)
         if port not in taken and port_free(port):
             return port
     raise RuntimeError("no free port")
