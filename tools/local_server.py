@@ -31,8 +31,9 @@ BIN = os.path.dirname(sys.executable)
 # tests' pytest-xdist workers: tests/conftest.py) never pick the same port.
 FIRST_PORT, LAST_PORT = map(int, os.environ.get("LOCAL_SERVER_PORTS", "20000-32767").split("-"))
 PORTS = range(FIRST_PORT, LAST_PORT + 1)
-# its own generator: where something seeds the global one (the suite does, somewhere, before each
-# test), every server drew the same ports, and stale /tmp/.ts.sock files came to block them all
+# its own generator: lm_eval's simple_evaluate seeds the global one (test_lm_eval.py), after which
+# every run of the suite drew the same ports, until /tmp/.ts.sock files that earlier runs left
+# blocked all 100 tries of a server's worker ports
 PICK = random.Random()
 
 
