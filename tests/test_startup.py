@@ -7,6 +7,7 @@ configuration keys do what README.md says, left out or set."""
 import dataclasses
 import json
 import os
+import random
 import re
 import shutil
 import time
@@ -440,3 +441,15 @@ def test_the_handler_refuses_a_bad_setting_by_name(setting, value, message):
                                 system_properties={"model_dir": DEMO})
     with pytest.raises(ValueError, match=re.escape(message)):
         handler.LlamaHandler().initialize(ctx)
+
+
+def test_ports_do_not_follow_the_global_random_state():
+    """The servers' ports come from local_server's own generator: after a library seeds the
+    global one (lm_eval's simple_evaluate does), every run drew the same ports, and socket
+    files left in /tmp by earlier runs came to block all of them."""
+    state, draws = random.getstate(), []
+    for _ in range(2):
+        random.seed(0)
+        draws.append([free_port() for _ in range(8)])
+    random.setstate(state)
+    assert draws[0] != draws[1]
