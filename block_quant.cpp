@@ -10,6 +10,8 @@
 //   q8: qweight int8 (N, K), w = scale * q.
 //   scales, offsets: fp16 (N, K/32): a GGUF file's own numbers, 4 bytes a block fewer to read
 //   than fp32 (a q4 block is 20 bytes, not 24).
+// linear_q4_bf16 / linear_q8_bf16 (AMX): x and the dequantized weights rounded to bf16, products
+// summed in fp32, as F.linear in bf16 computes (block_quant.py's choice of kernel: by rows of x).
 // fma(q, scale, offset) rounds once, as scale * q + offset does in fp32, because scale * q is
 // exact (an 11-bit by at most 8-bit product): the kernels multiply x by the very weights
 // dequantize returns, and only the order of the fp32 sums differs from x @ dequantize().T.
@@ -20,10 +22,17 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define BQ_AVX512 1
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define BQ_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define BQ_AVX2 1
 #include <immintrin.h>
@@ -352,12 +361,167 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const
   return out;
 }
 
+
+#if BQ_AMX
+// ---- AMX: a tile of 16 weight rows dequantized to bf16 in L1, tdpbf16ps with x in bf16 ----
+// One tile product covers 16 weight rows, 32 columns and up to 16 rows of x, so that at 8 rows
+// of x the fp32 FMAs, which bound linear_q4 there, are gone; what is left is dequantizing each
+// weight once, into a buffer the tiles load from.
+
+// The OS lends the tile registers only to a process that asks (Linux's ARCH_REQ_XCOMP_PERM for
+// XTILEDATA); where it refuses (an old kernel, a VM without AMX), block_quant.py keeps the fp32 kernels.
+bool amx_usable() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+// tile registers (the intrinsics take literal numbers): 0 the accumulator, 1 the weights, 2 x
+constexpr int64_t TILE_ROWS = 16;      // weight rows a tile holds
+constexpr int64_t CHUNK_STRIDE = CHUNK * BLOCK + 32;  // bf16 per buffered row: a chunk, padded off 1 KiB strides
+
+// x in bf16 as the tiles take it: xb[k / 2][m][k % 2], so that a block's 16 pairs of k are a
+// tile of M * 4 bytes a row. paired (q4): k in the order within blocks b, b+1 (b even, b+1
+// present) that q4_pair writes, 0..15 of both blocks then 16..31 of both, which swaps bits 4 and
+// 5 of k; a last odd block, and q8's blocks, keep their own order.
+at::Tensor x_tiles(const at::Tensor& x, bool paired) {
+  int64_t M = x.size(0), K = x.size(1), paired_end = paired ? K / 64 * 64 : 0;
+  std::vector<uint32_t> rows(M * K / 2);  // x in bf16, row by row, in tile order: 2 k a word
+  const float* src = x.data_ptr<float>();
+  for (int64_t m = 0; m < M; m++) {
+    const float* xm = src + m * K;
+    __m512i* dst = reinterpret_cast<__m512i*>(rows.data() + m * K / 2);
+    for (int64_t k = 0; k < K; k += 2 * BLOCK) {
+      bool swap = k < paired_end;  // else the 32 k at k (and at k + 32) stay in order
+      for (int64_t half = 0; half < 2 && k + half * BLOCK < K; half++) {
+        int64_t a = swap ? 16 * half : 32 * half;  // k of the first 16 of this 32, then a + (swap ? 32 : 16)
+        __m512 lo = _mm512_loadu_ps(xm + k + a), hi = _mm512_loadu_ps(xm + k + a + (swap ? 32 : 16));
+        _mm512_storeu_si512(dst++, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+      }
+    }
+  }
+  at::Tensor xb = at::empty({K / 2, M * 2}, x.options().dtype(at::kBFloat16));
+  uint32_t* out = reinterpret_cast<uint32_t*>(xb.data_ptr<at::BFloat16>());
+  for (int64_t j = 0; j < K / 2; j++)
+    for (int64_t m = 0; m < M; m++) out[j * M + m] = rows[m * K / 2 + j];
+  return xb;
+}
+
+// Blocks b and b+1 of a q4 row as bf16, in x_tiles' order: each block's 16 weights
+// (scale * q + offset) in one zmm table, vpermw looks the 32 nibbles of each half up.
+inline void q4_pair(const uint8_t* p, const float* s, const float* o, at::BFloat16* dst) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[0]), _mm512_set1_ps(o[0]));
+  __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(s[1]), _mm512_set1_ps(o[1]));
+  __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(t1, t0));  // 0..15: block b, 16..31: b+1
+  __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i second = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
+  __m512i low = _mm512_or_si512(_mm512_and_si512(bytes, _mm512_set1_epi16(15)), second);
+  __m512i high = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), second);
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(low, table));
+  _mm512_storeu_si512(dst + BLOCK, _mm512_permutexvar_epi16(high, table));
+}
+
+// Blocks b0..b0+len of weight rows n0..n0+16 (zeros past n1) into buf as bf16, in x_tiles' order.
+template <class F>
+void dequantize_tile(const Weight<F>& w, int64_t n0, int64_t n1, int64_t b0, int64_t len, at::BFloat16* buf) {
+  alignas(64) float s[CHUNK], o[CHUNK];
+  for (int64_t r = 0; r < TILE_ROWS; r++) {
+    at::BFloat16* dst = buf + r * CHUNK_STRIDE;
+    if (n0 + r >= n1) {
+      std::fill(dst, dst + len * BLOCK, at::BFloat16(0.f));
+      continue;
+    }
+    chunk_scales(w, n0 + r, b0, len, s, o);
+    const typename F::Packed* q = w.row(n0 + r) + b0 * F::BYTES;
+    int64_t b = 0;
+    if constexpr (std::is_same_v<F, Q4>)
+      for (; b + 1 < len; b += 2) {
+        __builtin_prefetch(reinterpret_cast<const char*>(q + b * F::BYTES) + PREFETCH);
+        q4_pair(q + b * F::BYTES, s + b, o + b, dst + b * BLOCK);
+      }
+    for (; b < len; b++) {  // q8, and a q4 row's last odd block
+      __builtin_prefetch(reinterpret_cast<const char*>(q + b * F::BYTES) + PREFETCH);
+      store(dst + b * BLOCK, F::dequant(q + b * F::BYTES, s[b], o[b]));
+    }
+  }
+}
+
+// out[:, n0..n1] (n1 - n0 <= 16) for all M rows of x, a chunk of blocks at a time, so that the
+// buffer stays in L1 and the tile products of one chunk overlap the dequantizing of the next.
+template <class F>
+void amx_tile(const Weight<F>& w, const at::BFloat16* xb, int64_t M, int64_t n0, int64_t n1, float* out, int64_t N,
+              at::BFloat16* buf) {
+  _tile_zero(0);
+  for (int64_t b0 = 0; b0 < w.blocks; b0 += CHUNK) {
+    int64_t len = std::min(CHUNK, w.blocks - b0);
+    // a pair split across chunks would break x_tiles' order: CHUNK is even, so pairs never are
+    dequantize_tile(w, n0, n1, b0, len, buf);
+    for (int64_t b = 0; b < len; b++) {
+      _tile_loadd(1, buf + b * BLOCK, CHUNK_STRIDE * 2);
+      _tile_loadd(2, xb + (b0 + b) * BLOCK * M, M * 4);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+  }
+  alignas(64) float c[TILE_ROWS * 16];
+  _tile_stored(0, c, M * 4);
+  for (int64_t r = 0; r < n1 - n0; r++)
+    for (int64_t m = 0; m < M; m++) out[m * N + n0 + r] = c[r * M + m];
+}
+
+template <class F>
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor* offsets) {
+  TORCH_CHECK(amx_usable(), "linear_*_bf16 needs AMX, which this process may not use");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) <= 16, "x must be float32 (M <= 16, K)");
+  int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  check_shapes(qweight, scales, offsets, K, F::BYTES, c10::CppTypeToScalarType<typename F::Packed>::value);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  at::Tensor xb = x_tiles(x.contiguous(), std::is_same_v<F, Q4>);
+  Weight<F> w = weight<F>(qweight, scales, offsets);
+  const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, (N + TILE_ROWS - 1) / TILE_ROWS, 1, [&](int64_t t0, int64_t t1) {
+    TileConfig cfg;  // a thread's own tile registers
+    cfg.rows[0] = TILE_ROWS, cfg.colsb[0] = M * 4;   // out: weight rows x rows of x, fp32
+    cfg.rows[1] = TILE_ROWS, cfg.colsb[1] = BLOCK * 2;  // weights: rows x a block, bf16
+    cfg.rows[2] = BLOCK / 2, cfg.colsb[2] = M * 4;   // x: the block's 16 pairs x rows of x, bf16 pairs
+    // GCC 12's _tile_loadconfig declares 8 bytes of operand and drops the config's stores
+    __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+    std::vector<at::BFloat16> buf(TILE_ROWS * CHUNK_STRIDE);
+    for (int64_t t = t0; t < t1; t++)
+      amx_tile(w, xp, M, t * TILE_ROWS, std::min(N, (t + 1) * TILE_ROWS), op, N, buf.data());
+    _tile_release();
+  });
+  return out;
+}
+#else
+bool amx_usable() { return false; }
+template <class F>
+at::Tensor linear_bf16(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor*) {
+  TORCH_CHECK(false, "linear_*_bf16 needs AMX: block_quant.cpp was built without it");
+  return {};
+}
+#endif
+
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                      const at::Tensor& offsets) {
   return linear<Q4>(x, qweight, scales, &offsets);
 }
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
   return linear<Q8>(x, qweight, scales, nullptr);
+}
+at::Tensor linear_q4_bf16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                          const at::Tensor& offsets) {
+  return linear_bf16<Q4>(x, qweight, scales, &offsets);
+}
+at::Tensor linear_q8_bf16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  return linear_bf16<Q8>(x, qweight, scales, nullptr);
 }
 at::Tensor dequantize_q4(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& offsets,
                          at::ScalarType dtype) {
@@ -372,6 +536,9 @@ at::Tensor dequantize_q8(const at::Tensor& qweight, const at::Tensor& scales, at
 TORCH_LIBRARY(block_quant, m) {
   m.def("linear_q4(Tensor x, Tensor qweight, Tensor scales, Tensor offsets) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+  m.def("linear_q4_bf16(Tensor x, Tensor qweight, Tensor scales, Tensor offsets) -> Tensor");
+  m.def("linear_q8_bf16(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+  m.def("amx() -> bool", amx_usable);  // whether linear_*_bf16 can run
   m.def("dequantize_q4(Tensor qweight, Tensor scales, Tensor offsets, ScalarType dtype) -> Tensor");
   m.def("dequantize_q8(Tensor qweight, Tensor scales, ScalarType dtype) -> Tensor");
 }
@@ -379,6 +546,8 @@ TORCH_LIBRARY(block_quant, m) {
 TORCH_LIBRARY_IMPL(block_quant, CPU, m) {
   m.impl("linear_q4", linear_q4);
   m.impl("linear_q8", linear_q8);
+  m.impl("linear_q4_bf16", linear_q4_bf16);
+  m.impl("linear_q8_bf16", linear_q8_bf16);
   m.impl("dequantize_q4", dequantize_q4);
   m.impl("dequantize_q8", dequantize_q8);
 }

@@ -1,10 +1,15 @@
 """Weight-only block-quantized linear layers for the CPU, on our own kernels (block_quant.cpp),
 with the numbers of GGUF's Q4_0, Q4_1 and Q8_0 files: 32 weights a block, each block with its
-fp16 scale (and offset). Activations stay float32: the kernels multiply x by exactly the
-weights dequantize() returns, so a Q4_1 file's layer computes the file's own weights.
+fp16 scale (and offset). The kernels multiply x by exactly the weights dequantize() returns
+(rounded to bf16 in the bf16 kernels), so a Q4_1 file's layer computes the file's own weights.
 
-BlockLinear(...)(x) runs the kernels for up to KERNEL_MAX_ROWS rows of x, and above that
-dequantizes the weight to bf16 for F.linear (oneDNN, AMX on this machine), which is faster there.
+BlockLinear(...)(x) picks by the rows of x (a decode step's sequences, a prompt's tokens):
+  below AMX_MIN_ROWS, the fp32 kernels (linear_q4/q8): x times the weights, in fp32;
+  up to KERNEL_MAX_ROWS, on a CPU with AMX, the bf16 kernels (linear_q4_bf16/q8_bf16): x and the
+    weights rounded to bf16, products summed in fp32, in tile products that dequantize each
+    weight once for all rows; without AMX, the fp32 kernels;
+  above, the weight dequantized to bf16 for F.linear (oneDNN, AMX on this machine).
+So from AMX_MIN_ROWS rows on, a row is computed in bf16, as a long prompt always was.
 The ops (torch.ops.block_quant.*) are built on first use by torch.utils.cpp_extension, cached
 across processes in TORCH_EXTENSIONS_DIR, and have fake implementations for torch.compile.
 """
@@ -31,6 +36,15 @@ BLOCK = 32  # weights per block (and its scale)
 #    20   220 / 181  138 / 136  730 / 736  336 / 386  11525 / 20443 | 118 / 143  78 / 97   371 / 323  183 / 211  6163 / 6838
 # (q8 is ~10 % slower than q4 there.)
 KERNEL_MAX_ROWS = 16
+# Rows of x from which the bf16 kernels are faster than the fp32 ones, in a decode step, where
+# the weights come from L3 (`python bench/block_quant.py --step`, 2 threads, ms of SmolLM2's
+# projections, fp32 kernels / bf16 ones; in a loop over one weight, from L2, the bf16 kernels win
+# from 6 rows, by up to 1.7x at 8):
+#   rows   30 layers' q4   head q8
+#     6    8.66 / 8.59    2.15 / 2.53
+#     8   10.42 / 8.51    2.58 / 2.50
+#    12   15.55 / 10.22   4.13 / 2.89
+AMX_MIN_ROWS = 8
 # Weights dequantized at once on the F.linear path: 4 MB of bf16, which the allocator reuses and
 # the caches hold. A whole 576 x 49152 output projection (57 MB) took 35 ms for 16 rows, against
 # 9 ms in slices, most of it page faults of the fresh buffer.
@@ -42,13 +56,14 @@ GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 _lock = threading.Lock()
 _loaded = False
+AMX = False  # whether this process runs the bf16 kernels (set by load())
 
 
 def load():
     """Build block_quant.cpp (once per source: torch caches the build in TORCH_EXTENSIONS_DIR, and
     its lock file lets one process build while the others wait) and load its ops, with their
     fake implementations. ValueError when the machine lacks what building takes."""
-    global _loaded
+    global _loaded, AMX
     with _lock:
         if _loaded:
             return
@@ -67,6 +82,7 @@ def load():
             digest = hashlib.sha256(f.read() + repr(CFLAGS).encode() + cpu_flags()).hexdigest()[:12]
         build(name=f"block_quant_{digest}", sources=[SOURCE], extra_cflags=CFLAGS, is_python_module=False)
         register_fakes()
+        AMX = torch.ops.block_quant.amx()
         _loaded = True
 
 
@@ -89,6 +105,7 @@ def register_fakes():
         return qweight.new_empty(qweight.shape[0], scales.shape[1] * BLOCK, dtype=dtype)
 
     for name, fake in (("linear_q4", linear), ("linear_q8", linear),
+                       ("linear_q4_bf16", linear), ("linear_q8_bf16", linear),
                        ("dequantize_q4", dequantize), ("dequantize_q8", dequantize)):
         torch.library.register_fake(f"block_quant::{name}", fake)
 
@@ -115,11 +132,13 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] <= KERNEL_MAX_ROWS:
+        rows, ops = x2.shape[0], torch.ops.block_quant
+        if rows <= KERNEL_MAX_ROWS:
+            bf16 = AMX and rows >= AMX_MIN_ROWS
             if self.bits == 4:
-                out = torch.ops.block_quant.linear_q4(x2.float(), self.qweight, self.scales, self.offsets)
+                out = (ops.linear_q4_bf16 if bf16 else ops.linear_q4)(x2.float(), self.qweight, self.scales, self.offsets)
             else:
-                out = torch.ops.block_quant.linear_q8(x2.float(), self.qweight, self.scales)
+                out = (ops.linear_q8_bf16 if bf16 else ops.linear_q8)(x2.float(), self.qweight, self.scales)
         else:
             out = self.bf16_linear(x2)
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -1,6 +1,7 @@
 """Microbenchmark of block_quant.py's kernels against torch's, on SmolLM2-135M's shapes:
 
     python bench/block_quant.py [--threads 1 2] [--rounds 5] [--shapes 576x3072 ...] [--rows 1 8 ...]
+    python bench/block_quant.py --step [--threads 2] [--rows 4 6 8 12 16]
 
 For each weight (in_features K, out_features N) and rows M of x, µs per call of:
   q4, q8        our kernels, x float32 (torch.ops.block_quant.linear_q4 / linear_q8)
@@ -12,6 +13,11 @@ and at M=1 the GB/s our q4 kernel reads (packed weights, scales and offsets). Ea
 every variant once, one after the other (this machine is shared: interleaving spreads its load
 over all of them); the table gives the median of the rounds. The bandwidth references: a copy
 of 64 MB into an allocated tensor (read + written bytes) and a sum over it (read bytes).
+
+--step: the projections of one SmolLM2 decode step instead, each of its 30 layers with weights of
+its own (q/k/v, o, gate/up and down in q4, the head in q8), so that they come from L3 or memory
+as in a real step, not from L2 as in a loop over one weight: ms of the fp32 kernels and of the
+bf16 (AMX) ones at each number of rows, medians of the rounds.
 """
 
 import argparse
@@ -82,14 +88,55 @@ def bandwidth(rounds: int) -> tuple[float, float]:
     return 2 * src.nbytes / copy / 1e9, src.nbytes / read / 1e9
 
 
+def step_projections(rows: list[int], rounds: int):
+    """Prints ms of a decode step's projections, fp32 kernels against bf16 ones (see --step)."""
+    g = torch.Generator().manual_seed(0)
+    layers = [[block_quant.BlockLinear.from_weight(torch.randn(n, k, generator=g) * 0.05, 4) for k, n in SHAPES[:4]]
+              for _ in range(30)]
+    head = block_quant.BlockLinear.from_weight(torch.randn(SHAPES[4][1], SHAPES[4][0], generator=g) * 0.05, 8)
+    ops = torch.ops.block_quant
+
+    def layers_q4(xs: dict, bf16: bool):
+        linear = ops.linear_q4_bf16 if bf16 else ops.linear_q4
+        for layer in layers:
+            for m in layer:
+                linear(xs[m.in_features], m.qweight, m.scales, m.offsets)
+
+    def head_q8(xs: dict, bf16: bool):
+        (ops.linear_q8_bf16 if bf16 else ops.linear_q8)(xs[head.in_features], head.qweight, head.scales)
+
+    print(f"{'rows':>4} {'q4 layers fp32':>15} {'bf16':>7} {'q8 head fp32':>13} {'bf16':>7}  (ms, median of {rounds})")
+    for M in rows:
+        xs = {k: torch.randn(M, k, generator=g) for k in (576, 1536)}
+        ms = {}
+        for _ in range(rounds):
+            for part in (layers_q4, head_q8):
+                for bf16 in (False, True):
+                    t0 = time.perf_counter()
+                    part(xs, bf16)
+                    ms.setdefault((part, bf16), []).append((time.perf_counter() - t0) * 1e3)
+        med = {key: statistics.median(v) for key, v in ms.items()}
+        print(f"{M:>4} {med[layers_q4, False]:>15.2f} {med[layers_q4, True]:>7.2f} "
+              f"{med[head_q8, False]:>13.2f} {med[head_q8, True]:>7.2f}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--shapes", nargs="+", default=[f"{k}x{n}" for k, n in SHAPES], help="KxN")
     parser.add_argument("--rows", type=int, nargs="+", default=ROWS)
+    parser.add_argument("--step", action="store_true", help="a decode step's projections, fp32 against bf16 kernels")
     args = parser.parse_args()
     block_quant.load()
+    if args.step:
+        if not block_quant.AMX:
+            sys.exit("--step compares the bf16 kernels, which need AMX")
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            print(f"\n{threads} thread(s)")
+            step_projections(args.rows, args.rounds)
+        return
     for threads in args.threads:
         torch.set_num_threads(threads)
         copy, read = bandwidth(args.rounds)

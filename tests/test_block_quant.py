@@ -30,11 +30,12 @@ def weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return w
 
 
-def kernel(layer: BlockLinear, x: torch.Tensor) -> torch.Tensor:
-    """The kernel itself at any number of rows (forward switches to F.linear above KERNEL_MAX_ROWS)."""
+def kernel(layer: BlockLinear, x: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """The fp32 kernel (bf16: the AMX one) itself, whatever forward would pick for these rows."""
+    ops = torch.ops.block_quant
     if layer.bits == 4:
-        return torch.ops.block_quant.linear_q4(x, layer.qweight, layer.scales, layer.offsets)
-    return torch.ops.block_quant.linear_q8(x, layer.qweight, layer.scales)
+        return (ops.linear_q4_bf16 if bf16 else ops.linear_q4)(x, layer.qweight, layer.scales, layer.offsets)
+    return (ops.linear_q8_bf16 if bf16 else ops.linear_q8)(x, layer.qweight, layer.scales)
 
 
 def assert_matches_dequantized(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
@@ -58,19 +59,39 @@ def test_kernels_compute_the_dequantized_weights(bits, K):
             assert_matches_dequantized(kernel(layer, x), x, w)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bf16_kernels_compute_the_dequantized_weights_in_bf16(bits):
+    """linear_q4_bf16 / q8_bf16: x @ w.T with x and w rounded to bf16, summed in fp32 (up to the
+    order of the sums), at every row count they take, tails of the 16-row tiles, an odd last block
+    (q4 pairs blocks), and K across several 16-block chunks."""
+    block_quant.load()
+    if not block_quant.AMX:
+        pytest.skip("the bf16 kernels need AMX (a CPU with amx_bf16, and the OS's leave)")
+    for K in (64, 96, 288, 1056):
+        for N in (1, 17, 40):
+            layer = BlockLinear.from_weight(weight(N, K, seed=N), bits)
+            w = layer.dequantize(torch.bfloat16).float()
+            for M in (1, 2, 7, 16):
+                x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+                assert_matches_dequantized(kernel(layer, x, bf16=True), x.bfloat16().float(), w)
+    with pytest.raises(RuntimeError, match="M <= 16"):
+        kernel(layer, torch.randn(17, K), bf16=True)
+
+
 @pytest.mark.slow  # builds and runs the C++ kernels
 def test_kernels_on_two_threads_compute_the_same():
     """Tasks split the output rows, never a sum: the result does not depend on the threads."""
     layer = BlockLinear.from_weight(weight(101, 576), 4)
     x = torch.randn(5, 576)
-    one = kernel(layer, x)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        two = kernel(layer, x)
-    finally:
-        torch.set_num_threads(saved)
-    assert torch.equal(one, two)
+    for bf16 in (False, True) if block_quant.AMX else (False,):
+        one = kernel(layer, x, bf16)
+        saved = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            two = kernel(layer, x, bf16)
+        finally:
+            torch.set_num_threads(saved)
+        assert torch.equal(one, two), bf16
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -151,18 +172,21 @@ def test_cat_fuses_rows():
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_forward_shapes_dtypes_and_the_bf16_path(bits, monkeypatch):
-    """forward: any leading shape, float32 or bfloat16 (computed in fp32 by the kernel up to
-    KERNEL_MAX_ROWS rows, in bf16 by F.linear above, on slices of 16 rows here), output in x's dtype."""
+    """forward: any leading shape, float32 or bfloat16 (computed by the fp32 kernel below
+    AMX_MIN_ROWS rows, by the bf16 one up to KERNEL_MAX_ROWS where there is AMX, in bf16 by F.linear
+    above, on slices of 16 rows here), output in x's dtype."""
     monkeypatch.setattr(block_quant, "DEQUANTIZE_SLICE", 16 * 256)
     layer = BlockLinear.from_weight(weight(40, 256), bits)
     w = layer.dequantize()
-    few = torch.randn(2, block_quant.KERNEL_MAX_ROWS // 2, 256)
-    out = layer(few)
-    assert out.shape == (2, block_quant.KERNEL_MAX_ROWS // 2, 40) and out.dtype == torch.float32
-    assert torch.equal(out, kernel(layer, few.view(-1, 256)).view(out.shape))
-    out = layer(few.bfloat16())
-    assert out.dtype == torch.bfloat16
-    assert torch.equal(out, kernel(layer, few.bfloat16().float().view(-1, 256)).view(out.shape).bfloat16())
+    for rows in (block_quant.AMX_MIN_ROWS - 1, block_quant.AMX_MIN_ROWS, block_quant.KERNEL_MAX_ROWS):
+        few = torch.randn(2, rows // 2, 256)
+        bf16 = block_quant.AMX and few.shape[0] * few.shape[1] >= block_quant.AMX_MIN_ROWS
+        out = layer(few)
+        assert out.shape == (2, rows // 2, 40) and out.dtype == torch.float32
+        assert torch.equal(out, kernel(layer, few.view(-1, 256), bf16).view(out.shape))
+        out = layer(few.bfloat16())
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, kernel(layer, few.bfloat16().float().view(-1, 256), bf16).view(out.shape).bfloat16())
     many = torch.randn(block_quant.KERNEL_MAX_ROWS + 1, 256)
     for x in (many, many.bfloat16()):
         out = layer(x)
@@ -181,6 +205,8 @@ def test_fake_implementations():
     checks = ("test_schema", "test_faketensor")
     for op, args in ((ops.linear_q4, (x, layer.qweight, layer.scales, layer.offsets)),
                      (ops.linear_q8, (x, layer8.qweight, layer8.scales)),
+                     *(((ops.linear_q4_bf16, (x, layer.qweight, layer.scales, layer.offsets)),
+                        (ops.linear_q8_bf16, (x, layer8.qweight, layer8.scales))) if block_quant.AMX else ()),
                      (ops.dequantize_q4, (layer.qweight, layer.scales, layer.offsets, torch.bfloat16)),
                      (ops.dequantize_q8, (layer8.qweight, layer8.scales, torch.float32))):
         torch.library.opcheck(op, args, test_utils=checks)
@@ -200,7 +226,7 @@ def test_compiled_module_matches_eager():
 
     module = Block()
     compiled = torch.compile(module, fullgraph=True)
-    for rows in (1, 3, block_quant.KERNEL_MAX_ROWS + 4):
+    for rows in (1, 3, block_quant.AMX_MIN_ROWS + 2, block_quant.KERNEL_MAX_ROWS + 4):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(compiled(x), module(x), rtol=1e-6, atol=1e-6)
 
