@@ -10,8 +10,9 @@
 //   q8: qweight int8 (N, K), w = scale * q.
 //   scales, offsets: fp16 (N, K/32): a GGUF file's own numbers, 4 bytes a block fewer to read
 //   than fp32 (a q4 block is 20 bytes, not 24).
-// linear_q4_bf16 / linear_q8_bf16 (AMX): x and the dequantized weights rounded to bf16, products
-// summed in fp32, as F.linear in bf16 computes (block_quant.py's choice of kernel: by rows of x).
+// From bf16_rows rows of x (up to 16), on a CPU whose AMX this process may use, linear_q4/q8 compute
+// in bf16 instead: x and the dequantized weights rounded to bf16, products summed in fp32, as
+// F.linear in bf16 does. The choice is the op's, so a compiled graph holds no branch on the rows.
 // fma(q, scale, offset) rounds once, as scale * q + offset does in fp32, because scale * q is
 // exact (an 11-bit by at most 8-bit product): the kernels multiply x by the very weights
 // dequantize returns, and only the order of the fp32 sums differs from x @ dequantize().T.
@@ -306,62 +307,6 @@ Weight<F> weight(const at::Tensor& qweight, const at::Tensor& scales, const at::
           offsets ? offsets->data_ptr<at::Half>() : nullptr, scales.size(1)};
 }
 
-template <class F>
-at::Tensor linear(const at::Tensor& x_, const at::Tensor& qweight, const at::Tensor& scales,
-                  const at::Tensor* offsets) {
-  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat, "x must be float32 (M, K)");
-  int64_t M = x_.size(0), K = x_.size(1), N = qweight.size(0);
-  check_shapes(qweight, scales, offsets, K, F::BYTES, c10::CppTypeToScalarType<typename F::Packed>::value);
-  at::Tensor x = x_.contiguous();
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  Weight<F> w = weight<F>(qweight, scales, offsets);
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-  // at least ~64K multiply-adds per thread: below that, waking another thread costs more than it saves
-  int64_t grain = std::max<int64_t>(1, 65536 / (M * K * ROWS_PER_TASK));
-  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++)
-      rows(xp, M, K, w, t * ROWS_PER_TASK, std::min(N, (t + 1) * ROWS_PER_TASK), op, N);
-  });
-  return out;
-}
-
-template <class F, class T>
-void dequantize_rows(const Weight<F>& w, T* out, int64_t n0, int64_t n1) {
-  alignas(64) float s[CHUNK], o[CHUNK];
-  for (int64_t n = n0; n < n1; n++) {
-    const typename F::Packed* q = w.row(n);
-    T* row = out + n * w.blocks * BLOCK;
-    for (int64_t b0 = 0; b0 < w.blocks; b0 += CHUNK) {
-      int64_t len = std::min(CHUNK, w.blocks - b0);
-      chunk_scales(w, n, b0, len, s, o);
-      for (int64_t b = 0; b < len; b++) store(row + (b0 + b) * BLOCK, F::dequant(q + (b0 + b) * F::BYTES, s[b], o[b]));
-    }
-  }
-}
-
-// The weight as dtype (float32: exactly the weights the kernels use; bfloat16: those rounded)
-template <class F>
-at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor* offsets,
-                      at::ScalarType dtype) {
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize gives float32 or bfloat16, not ", dtype);
-  int64_t N = qweight.size(0), K = scales.size(1) * BLOCK;
-  check_shapes(qweight, scales, offsets, K, F::BYTES, c10::CppTypeToScalarType<typename F::Packed>::value);
-  at::Tensor out = at::empty({N, K}, qweight.options().dtype(dtype));
-  if (N == 0) return out;
-  Weight<F> w = weight<F>(qweight, scales, offsets);
-  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t n0, int64_t n1) {
-    if (dtype == at::kFloat)
-      dequantize_rows(w, out.data_ptr<float>(), n0, n1);
-    else
-      dequantize_rows(w, out.data_ptr<at::BFloat16>(), n0, n1);
-  });
-  return out;
-}
-
-
 #if BQ_AMX
 // ---- AMX: a tile of 16 weight rows dequantized to bf16 in L1, tdpbf16ps with x in bf16 ----
 // One tile product covers 16 weight rows, 32 columns and up to 16 rows of x, so that at 8 rows
@@ -473,19 +418,14 @@ void amx_tile(const Weight<F>& w, const at::BFloat16* xb, int64_t M, int64_t n0,
     for (int64_t m = 0; m < M; m++) out[m * N + n0 + r] = c[r * M + m];
 }
 
+constexpr int64_t AMX_MAX_ROWS = 16;  // rows of x a tile holds
+
+// out = x @ w.T for M <= 16 rows of x (contiguous), in bf16
 template <class F>
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       const at::Tensor* offsets) {
-  TORCH_CHECK(amx_usable(), "linear_*_bf16 needs AMX, which this process may not use");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) <= 16, "x must be float32 (M <= 16, K)");
-  int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
-  check_shapes(qweight, scales, offsets, K, F::BYTES, c10::CppTypeToScalarType<typename F::Packed>::value);
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  at::Tensor xb = x_tiles(x.contiguous(), std::is_same_v<F, Q4>);
-  Weight<F> w = weight<F>(qweight, scales, offsets);
+void linear_bf16(const at::Tensor& x, const Weight<F>& w, int64_t N, float* op) {
+  int64_t M = x.size(0);
+  at::Tensor xb = x_tiles(x, std::is_same_v<F, Q4>);
   const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
-  float* op = out.data_ptr<float>();
   at::parallel_for(0, (N + TILE_ROWS - 1) / TILE_ROWS, 1, [&](int64_t t0, int64_t t1) {
     TileConfig cfg;  // a thread's own tile registers
     cfg.rows[0] = TILE_ROWS, cfg.colsb[0] = M * 4;   // out: weight rows x rows of x, fp32
@@ -498,30 +438,81 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& qweight, const at:
       amx_tile(w, xp, M, t * TILE_ROWS, std::min(N, (t + 1) * TILE_ROWS), op, N, buf.data());
     _tile_release();
   });
-  return out;
 }
 #else
 bool amx_usable() { return false; }
+constexpr int64_t AMX_MAX_ROWS = 0;
 template <class F>
-at::Tensor linear_bf16(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor*) {
-  TORCH_CHECK(false, "linear_*_bf16 needs AMX: block_quant.cpp was built without it");
-  return {};
-}
+void linear_bf16(const at::Tensor&, const Weight<F>&, int64_t, float*) {}
 #endif
 
+template <class F>
+at::Tensor linear(const at::Tensor& x_, const at::Tensor& qweight, const at::Tensor& scales,
+                  const at::Tensor* offsets, int64_t bf16_rows) {
+  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat, "x must be float32 (M, K)");
+  int64_t M = x_.size(0), K = x_.size(1), N = qweight.size(0);
+  check_shapes(qweight, scales, offsets, K, F::BYTES, c10::CppTypeToScalarType<typename F::Packed>::value);
+  at::Tensor x = x_.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  Weight<F> w = weight<F>(qweight, scales, offsets);
+  float* op = out.data_ptr<float>();
+  if (M >= bf16_rows && M <= AMX_MAX_ROWS && amx_usable()) {
+    linear_bf16(x, w, N, op);
+    return out;
+  }
+  const float* xp = x.data_ptr<float>();
+  int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+  // at least ~64K multiply-adds per thread: below that, waking another thread costs more than it saves
+  int64_t grain = std::max<int64_t>(1, 65536 / (M * K * ROWS_PER_TASK));
+  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++)
+      rows(xp, M, K, w, t * ROWS_PER_TASK, std::min(N, (t + 1) * ROWS_PER_TASK), op, N);
+  });
+  return out;
+}
+
+template <class F, class T>
+void dequantize_rows(const Weight<F>& w, T* out, int64_t n0, int64_t n1) {
+  alignas(64) float s[CHUNK], o[CHUNK];
+  for (int64_t n = n0; n < n1; n++) {
+    const typename F::Packed* q = w.row(n);
+    T* row = out + n * w.blocks * BLOCK;
+    for (int64_t b0 = 0; b0 < w.blocks; b0 += CHUNK) {
+      int64_t len = std::min(CHUNK, w.blocks - b0);
+      chunk_scales(w, n, b0, len, s, o);
+      for (int64_t b = 0; b < len; b++) store(row + (b0 + b) * BLOCK, F::dequant(q + (b0 + b) * F::BYTES, s[b], o[b]));
+    }
+  }
+}
+
+// The weight as dtype (float32: exactly the weights the kernels use; bfloat16: those rounded)
+template <class F>
+at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor* offsets,
+                      at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize gives float32 or bfloat16, not ", dtype);
+  int64_t N = qweight.size(0), K = scales.size(1) * BLOCK;
+  check_shapes(qweight, scales, offsets, K, F::BYTES, c10::CppTypeToScalarType<typename F::Packed>::value);
+  at::Tensor out = at::empty({N, K}, qweight.options().dtype(dtype));
+  if (N == 0) return out;
+  Weight<F> w = weight<F>(qweight, scales, offsets);
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t n0, int64_t n1) {
+    if (dtype == at::kFloat)
+      dequantize_rows(w, out.data_ptr<float>(), n0, n1);
+    else
+      dequantize_rows(w, out.data_ptr<at::BFloat16>(), n0, n1);
+  });
+  return out;
+}
+
+
+
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                     const at::Tensor& offsets) {
-  return linear<Q4>(x, qweight, scales, &offsets);
+                     const at::Tensor& offsets, int64_t bf16_rows) {
+  return linear<Q4>(x, qweight, scales, &offsets, bf16_rows);
 }
-at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
-  return linear<Q8>(x, qweight, scales, nullptr);
-}
-at::Tensor linear_q4_bf16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                          const at::Tensor& offsets) {
-  return linear_bf16<Q4>(x, qweight, scales, &offsets);
-}
-at::Tensor linear_q8_bf16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
-  return linear_bf16<Q8>(x, qweight, scales, nullptr);
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bf16_rows) {
+  return linear<Q8>(x, qweight, scales, nullptr, bf16_rows);
 }
 at::Tensor dequantize_q4(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& offsets,
                          at::ScalarType dtype) {
@@ -534,11 +525,9 @@ at::Tensor dequantize_q8(const at::Tensor& qweight, const at::Tensor& scales, at
 }  // namespace
 
 TORCH_LIBRARY(block_quant, m) {
-  m.def("linear_q4(Tensor x, Tensor qweight, Tensor scales, Tensor offsets) -> Tensor");
-  m.def("linear_q8(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
-  m.def("linear_q4_bf16(Tensor x, Tensor qweight, Tensor scales, Tensor offsets) -> Tensor");
-  m.def("linear_q8_bf16(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
-  m.def("amx() -> bool", amx_usable);  // whether linear_*_bf16 can run
+  m.def("linear_q4(Tensor x, Tensor qweight, Tensor scales, Tensor offsets, int bf16_rows) -> Tensor");
+  m.def("linear_q8(Tensor x, Tensor qweight, Tensor scales, int bf16_rows) -> Tensor");
+  m.def("amx() -> bool", amx_usable);  // whether bf16_rows can take effect
   m.def("dequantize_q4(Tensor qweight, Tensor scales, Tensor offsets, ScalarType dtype) -> Tensor");
   m.def("dequantize_q8(Tensor qweight, Tensor scales, ScalarType dtype) -> Tensor");
 }
@@ -546,8 +535,6 @@ TORCH_LIBRARY(block_quant, m) {
 TORCH_LIBRARY_IMPL(block_quant, CPU, m) {
   m.impl("linear_q4", linear_q4);
   m.impl("linear_q8", linear_q8);
-  m.impl("linear_q4_bf16", linear_q4_bf16);
-  m.impl("linear_q8_bf16", linear_q8_bf16);
   m.impl("dequantize_q4", dequantize_q4);
   m.impl("dequantize_q8", dequantize_q8);
 }

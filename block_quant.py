@@ -1,15 +1,15 @@
 """Weight-only block-quantized linear layers for the CPU, on our own kernels (block_quant.cpp),
 with the numbers of GGUF's Q4_0, Q4_1 and Q8_0 files: 32 weights a block, each block with its
 fp16 scale (and offset). The kernels multiply x by exactly the weights dequantize() returns
-(rounded to bf16 in the bf16 kernels), so a Q4_1 file's layer computes the file's own weights.
+(rounded to bf16 where they compute in bf16), so a Q4_1 file's layer computes the file's own weights.
 
-BlockLinear(...)(x) picks by the rows of x (a decode step's sequences, a prompt's tokens):
-  below AMX_MIN_ROWS, the fp32 kernels (linear_q4/q8): x times the weights, in fp32;
-  up to KERNEL_MAX_ROWS, on a CPU with AMX, the bf16 kernels (linear_q4_bf16/q8_bf16): x and the
-    weights rounded to bf16, products summed in fp32, in tile products that dequantize each
-    weight once for all rows; without AMX, the fp32 kernels;
-  above, the weight dequantized to bf16 for F.linear (oneDNN, AMX on this machine).
-So from AMX_MIN_ROWS rows on, a row is computed in bf16, as a long prompt always was.
+BlockLinear(...)(x) computes up to KERNEL_MAX_ROWS rows of x with the kernels, which pick by
+the rows (a decode step's sequences, a prompt's tokens):
+  below AMX_MIN_ROWS, in fp32: x times the weights;
+  from AMX_MIN_ROWS, on a CPU with AMX, in bf16: x and the weights rounded to bf16, products
+    summed in fp32, in tile products that dequantize each weight once for all rows;
+and above KERNEL_MAX_ROWS dequantizes the weight to bf16 for F.linear (oneDNN, AMX on this
+machine). So from AMX_MIN_ROWS rows on, a row is computed in bf16, as a long prompt always was.
 The ops (torch.ops.block_quant.*) are built on first use by torch.utils.cpp_extension, cached
 across processes in TORCH_EXTENSIONS_DIR, and have fake implementations for torch.compile.
 """
@@ -36,9 +36,9 @@ BLOCK = 32  # weights per block (and its scale)
 #    20   220 / 181  138 / 136  730 / 736  336 / 386  11525 / 20443 | 118 / 143  78 / 97   371 / 323  183 / 211  6163 / 6838
 # (q8 is ~10 % slower than q4 there.)
 KERNEL_MAX_ROWS = 16
-# Rows of x from which the bf16 kernels are faster than the fp32 ones, in a decode step, where
+# Rows of x from which the kernels are faster in bf16 than in fp32, in a decode step, where
 # the weights come from L3 (`python bench/block_quant.py --step`, 2 threads, ms of SmolLM2's
-# projections, fp32 kernels / bf16 ones; in a loop over one weight, from L2, the bf16 kernels win
+# projections, fp32 / bf16; in a loop over one weight, from L2, bf16 wins
 # from 6 rows, by up to 1.7x at 8):
 #   rows   30 layers' q4   head q8
 #     6    8.66 / 8.59    2.15 / 2.53
@@ -56,7 +56,7 @@ GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 _lock = threading.Lock()
 _loaded = False
-AMX = False  # whether this process runs the bf16 kernels (set by load())
+AMX = False  # whether the kernels compute in bf16 from AMX_MIN_ROWS rows here (set by load())
 
 
 def load():
@@ -97,7 +97,7 @@ def cpu_flags() -> bytes:
 
 def register_fakes():
     """Output shapes for torch.compile, which traces the ops without running them."""
-    def linear(x, qweight, scales, offsets=None):
+    def linear(x, qweight, *rest):
         return x.new_empty(x.shape[0], qweight.shape[0])
 
     def dequantize(qweight, scales, *rest):
@@ -105,7 +105,6 @@ def register_fakes():
         return qweight.new_empty(qweight.shape[0], scales.shape[1] * BLOCK, dtype=dtype)
 
     for name, fake in (("linear_q4", linear), ("linear_q8", linear),
-                       ("linear_q4_bf16", linear), ("linear_q8_bf16", linear),
                        ("dequantize_q4", dequantize), ("dequantize_q8", dequantize)):
         torch.library.register_fake(f"block_quant::{name}", fake)
 
@@ -132,13 +131,11 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        rows, ops = x2.shape[0], torch.ops.block_quant
-        if rows <= KERNEL_MAX_ROWS:
-            bf16 = AMX and rows >= AMX_MIN_ROWS
+        if x2.shape[0] <= KERNEL_MAX_ROWS:
             if self.bits == 4:
-                out = (ops.linear_q4_bf16 if bf16 else ops.linear_q4)(x2.float(), self.qweight, self.scales, self.offsets)
+                out = torch.ops.block_quant.linear_q4(x2.float(), self.qweight, self.scales, self.offsets, AMX_MIN_ROWS)
             else:
-                out = (ops.linear_q8_bf16 if bf16 else ops.linear_q8)(x2.float(), self.qweight, self.scales)
+                out = torch.ops.block_quant.linear_q8(x2.float(), self.qweight, self.scales, AMX_MIN_ROWS)
         else:
             out = self.bf16_linear(x2)
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -4,7 +4,7 @@
     python bench/block_quant.py --step [--threads 2] [--rows 4 6 8 12 16]
 
 For each weight (in_features K, out_features N) and rows M of x, µs per call of:
-  q4, q8        our kernels, x float32 (torch.ops.block_quant.linear_q4 / linear_q8)
+  q4, q8        our kernels in fp32 (torch.ops.block_quant.linear_q4 / linear_q8, bf16_rows past 16)
   deq+bf16      what BlockLinear does above KERNEL_MAX_ROWS: dequantize_q4 to bf16 (in 4 MB slices), F.linear
   int4          torch's _weight_int4pack_mm_for_cpu (bf16 x, bf16 scales and zeros: QUANT=int4)
   int8          torch's _weight_int8pack_mm (bf16 x, one scale per output channel: QUANT=int8)
@@ -35,6 +35,7 @@ import block_quant  # noqa: E402
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # SmolLM2: q/k/v, o, gate/up, down, vocab
 ROWS = [1, 2, 4, 8, 16, 64, 512]
 COLUMNS = ["q4", "q8", "deq+bf16", "int4", "int8", "fp32", "bf16"]
+FP32 = block_quant.KERNEL_MAX_ROWS + 1  # the kernels' bf16_rows: never in bf16
 
 
 def seconds_per_call(f, budget: float = 0.02) -> float:
@@ -69,8 +70,8 @@ def variants(K: int, N: int, M: int) -> dict:
     int8 = (w / int8_scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
     w_bf16 = w.bfloat16()
     return {
-        "q4": lambda: ops.linear_q4(x, q4.qweight, q4.scales, q4.offsets),
-        "q8": lambda: ops.linear_q8(x, q8.qweight, q8.scales),
+        "q4": lambda: ops.linear_q4(x, q4.qweight, q4.scales, q4.offsets, FP32),
+        "q8": lambda: ops.linear_q8(x, q8.qweight, q8.scales, FP32),
         "deq+bf16": lambda: q4.bf16_linear(x),
         "int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, int4, 32, zeros),
         "int8": lambda: torch.ops.aten._weight_int8pack_mm(xb, int8, int8_scales),
@@ -97,13 +98,12 @@ def step_projections(rows: list[int], rounds: int):
     ops = torch.ops.block_quant
 
     def layers_q4(xs: dict, bf16: bool):
-        linear = ops.linear_q4_bf16 if bf16 else ops.linear_q4
         for layer in layers:
             for m in layer:
-                linear(xs[m.in_features], m.qweight, m.scales, m.offsets)
+                ops.linear_q4(xs[m.in_features], m.qweight, m.scales, m.offsets, 1 if bf16 else FP32)
 
     def head_q8(xs: dict, bf16: bool):
-        (ops.linear_q8_bf16 if bf16 else ops.linear_q8)(xs[head.in_features], head.qweight, head.scales)
+        ops.linear_q8(xs[head.in_features], head.qweight, head.scales, 1 if bf16 else FP32)
 
     print(f"{'rows':>4} {'q4 layers fp32':>15} {'bf16':>7} {'q8 head fp32':>13} {'bf16':>7}  (ms, median of {rounds})")
     for M in rows:
@@ -131,7 +131,7 @@ def main():
     block_quant.load()
     if args.step:
         if not block_quant.AMX:
-            sys.exit("--step compares the bf16 kernels, which need AMX")
+            sys.exit("--step compares the kernels in bf16, which takes AMX")
         for threads in args.threads:
             torch.set_num_threads(threads)
             print(f"\n{threads} thread(s)")

@@ -31,11 +31,12 @@ def weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
 
 
 def kernel(layer: BlockLinear, x: torch.Tensor, bf16: bool = False) -> torch.Tensor:
-    """The fp32 kernel (bf16: the AMX one) itself, whatever forward would pick for these rows."""
-    ops = torch.ops.block_quant
+    """The kernel in fp32 at any number of rows (bf16: in bf16 from 1 row, where there is AMX),
+    whatever forward would pick for these rows."""
+    bf16_rows = 1 if bf16 else block_quant.KERNEL_MAX_ROWS + 1
     if layer.bits == 4:
-        return (ops.linear_q4_bf16 if bf16 else ops.linear_q4)(x, layer.qweight, layer.scales, layer.offsets)
-    return (ops.linear_q8_bf16 if bf16 else ops.linear_q8)(x, layer.qweight, layer.scales)
+        return torch.ops.block_quant.linear_q4(x, layer.qweight, layer.scales, layer.offsets, bf16_rows)
+    return torch.ops.block_quant.linear_q8(x, layer.qweight, layer.scales, bf16_rows)
 
 
 def assert_matches_dequantized(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
@@ -60,13 +61,13 @@ def test_kernels_compute_the_dequantized_weights(bits, K):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_bf16_kernels_compute_the_dequantized_weights_in_bf16(bits):
-    """linear_q4_bf16 / q8_bf16: x @ w.T with x and w rounded to bf16, summed in fp32 (up to the
-    order of the sums), at every row count they take, tails of the 16-row tiles, an odd last block
-    (q4 pairs blocks), and K across several 16-block chunks."""
+def test_kernels_in_bf16_compute_the_dequantized_weights_in_bf16(bits):
+    """From bf16_rows rows, on AMX: x @ w.T with x and w rounded to bf16, summed in fp32 (up to
+    the order of the sums), at every row count up to 16, tails of the 16-row tiles, an odd last
+    block (q4 pairs blocks), and K across several 16-block chunks; past 16 rows, in fp32."""
     block_quant.load()
     if not block_quant.AMX:
-        pytest.skip("the bf16 kernels need AMX (a CPU with amx_bf16, and the OS's leave)")
+        pytest.skip("computing in bf16 takes AMX (a CPU with amx_bf16, and the OS's leave)")
     for K in (64, 96, 288, 1056):
         for N in (1, 17, 40):
             layer = BlockLinear.from_weight(weight(N, K, seed=N), bits)
@@ -74,8 +75,8 @@ def test_bf16_kernels_compute_the_dequantized_weights_in_bf16(bits):
             for M in (1, 2, 7, 16):
                 x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
                 assert_matches_dequantized(kernel(layer, x, bf16=True), x.bfloat16().float(), w)
-    with pytest.raises(RuntimeError, match="M <= 16"):
-        kernel(layer, torch.randn(17, K), bf16=True)
+    x = torch.randn(17, K)
+    assert torch.equal(kernel(layer, x, bf16=True), kernel(layer, x))
 
 
 @pytest.mark.slow  # builds and runs the C++ kernels
@@ -203,10 +204,8 @@ def test_fake_implementations():
     x = torch.randn(3, 64)
     ops = torch.ops.block_quant
     checks = ("test_schema", "test_faketensor")
-    for op, args in ((ops.linear_q4, (x, layer.qweight, layer.scales, layer.offsets)),
-                     (ops.linear_q8, (x, layer8.qweight, layer8.scales)),
-                     *(((ops.linear_q4_bf16, (x, layer.qweight, layer.scales, layer.offsets)),
-                        (ops.linear_q8_bf16, (x, layer8.qweight, layer8.scales))) if block_quant.AMX else ()),
+    for op, args in ((ops.linear_q4, (x, layer.qweight, layer.scales, layer.offsets, 1)),
+                     (ops.linear_q8, (x, layer8.qweight, layer8.scales, 17)),
                      (ops.dequantize_q4, (layer.qweight, layer.scales, layer.offsets, torch.bfloat16)),
                      (ops.dequantize_q8, (layer8.qweight, layer8.scales, torch.float32))):
         torch.library.opcheck(op, args, test_utils=checks)
@@ -214,7 +213,9 @@ def test_fake_implementations():
 
 @pytest.mark.slow
 def test_compiled_module_matches_eager():
-    """A module holding BlockLinears compiles with fullgraph=True (no graph break) and computes as eagerly."""
+    """A module holding BlockLinears compiles with fullgraph=True (no graph break) and computes as
+    eagerly; once compiled for a dynamic number of rows, fp32 and bf16 rows alike run the same
+    graph (the kernels choose, not a branch that would guard on the rows and compile again)."""
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -229,6 +230,13 @@ def test_compiled_module_matches_eager():
     for rows in (1, 3, block_quant.AMX_MIN_ROWS + 2, block_quant.KERNEL_MAX_ROWS + 4):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(compiled(x), module(x), rtol=1e-6, atol=1e-6)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, fullgraph=True, dynamic=True)
+    compiled(torch.randn(2, 64))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for rows in (block_quant.AMX_MIN_ROWS - 1, block_quant.AMX_MIN_ROWS, block_quant.KERNEL_MAX_ROWS):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(compiled(x), module(x), rtol=1e-6, atol=1e-6)
 
 
 def test_a_missing_compiler_is_named(monkeypatch):
