@@ -5,11 +5,11 @@ fp16 scale (and offset). The kernels multiply x by exactly the weights dequantiz
 
 BlockLinear(...)(x) computes up to KERNEL_MAX_ROWS rows of x with the kernels, which pick by
 the rows (a decode step's sequences, a prompt's tokens):
-  below AMX_MIN_ROWS, in fp32: x times the weights;
-  from AMX_MIN_ROWS, on a CPU with AMX, in bf16: x and the weights rounded to bf16, products
+  below BF16_ROWS (by format), in fp32: x times the weights;
+  from BF16_ROWS, on a CPU with AMX, in bf16: x and the weights rounded to bf16, products
     summed in fp32, in tile products that dequantize each weight once for all rows;
 and above KERNEL_MAX_ROWS dequantizes the weight to bf16 for F.linear (oneDNN, AMX on this
-machine). So from AMX_MIN_ROWS rows on, a row is computed in bf16, as a long prompt always was.
+machine). So from BF16_ROWS rows on, a row is computed in bf16, as a long prompt always was.
 The ops (torch.ops.block_quant.*) are built on first use by torch.utils.cpp_extension, cached
 across processes in TORCH_EXTENSIONS_DIR, and have fake implementations for torch.compile.
 """
@@ -36,15 +36,16 @@ BLOCK = 32  # weights per block (and its scale)
 #    20   220 / 181  138 / 136  730 / 736  336 / 386  11525 / 20443 | 118 / 143  78 / 97   371 / 323  183 / 211  6163 / 6838
 # (q8 is ~10 % slower than q4 there.)
 KERNEL_MAX_ROWS = 16
-# Rows of x from which the kernels are faster in bf16 than in fp32, in a decode step, where
-# the weights come from L3 (`python bench/block_quant.py --step`, 2 threads, ms of SmolLM2's
-# projections, fp32 / bf16; in a loop over one weight, from L2, bf16 wins
-# from 6 rows, by up to 1.7x at 8):
-#   rows   30 layers' q4   head q8
-#     6    8.66 / 8.59    2.15 / 2.53
-#     8   10.42 / 8.51    2.58 / 2.50
-#    12   15.55 / 10.22   4.13 / 2.89
-AMX_MIN_ROWS = 8
+# Rows of x from which the kernels are faster in bf16 than in fp32, by bits, in a decode step,
+# where the weights come from L3 (`python bench/block_quant.py --step`, 2 threads, ms of
+# SmolLM2's projections, fp32 / bf16; in a loop over one weight, from L2, bf16 wins from 6 rows,
+# by up to 1.7x at 8). q8 blocks take more work to make bf16 (no 16-level table), so later:
+#   rows   30 layers' q4   30 layers' q8   head q8
+#     6    8.66 / 8.59                    2.15 / 2.53
+#     8   10.42 / 8.51     9.45 / 10.44   2.58 / 2.50
+#    10                   12.75 / 11.35
+#    12   15.55 / 10.22   14.24 / 11.11   4.13 / 2.89
+BF16_ROWS = {4: 8, 8: 10}
 # Weights dequantized at once on the F.linear path: 4 MB of bf16, which the allocator reuses and
 # the caches hold. A whole 576 x 49152 output projection (57 MB) took 35 ms for 16 rows, against
 # 9 ms in slices, most of it page faults of the fresh buffer.
@@ -56,7 +57,7 @@ GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 _lock = threading.Lock()
 _loaded = False
-AMX = False  # whether the kernels compute in bf16 from AMX_MIN_ROWS rows here (set by load())
+AMX = False  # whether the kernels compute in bf16 from BF16_ROWS rows here (set by load())
 
 
 def load():
@@ -133,9 +134,9 @@ class BlockLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] <= KERNEL_MAX_ROWS:
             if self.bits == 4:
-                out = torch.ops.block_quant.linear_q4(x2.float(), self.qweight, self.scales, self.offsets, AMX_MIN_ROWS)
+                out = torch.ops.block_quant.linear_q4(x2.float(), self.qweight, self.scales, self.offsets, BF16_ROWS[4])
             else:
-                out = torch.ops.block_quant.linear_q8(x2.float(), self.qweight, self.scales, AMX_MIN_ROWS)
+                out = torch.ops.block_quant.linear_q8(x2.float(), self.qweight, self.scales, BF16_ROWS[8])
         else:
             out = self.bf16_linear(x2)
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)

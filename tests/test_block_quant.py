@@ -174,14 +174,15 @@ def test_cat_fuses_rows():
 @pytest.mark.parametrize("bits", [4, 8])
 def test_forward_shapes_dtypes_and_the_bf16_path(bits, monkeypatch):
     """forward: any leading shape, float32 or bfloat16 (computed by the fp32 kernel below
-    AMX_MIN_ROWS rows, by the bf16 one up to KERNEL_MAX_ROWS where there is AMX, in bf16 by F.linear
+    BF16_ROWS rows, in bf16 from there up to KERNEL_MAX_ROWS where there is AMX, in bf16 by F.linear
     above, on slices of 16 rows here), output in x's dtype."""
     monkeypatch.setattr(block_quant, "DEQUANTIZE_SLICE", 16 * 256)
     layer = BlockLinear.from_weight(weight(40, 256), bits)
     w = layer.dequantize()
-    for rows in (block_quant.AMX_MIN_ROWS - 1, block_quant.AMX_MIN_ROWS, block_quant.KERNEL_MAX_ROWS):
+    first = block_quant.BF16_ROWS[bits]
+    for rows in (first - 2, first, block_quant.KERNEL_MAX_ROWS):
         few = torch.randn(2, rows // 2, 256)
-        bf16 = block_quant.AMX and few.shape[0] * few.shape[1] >= block_quant.AMX_MIN_ROWS
+        bf16 = block_quant.AMX and rows >= first
         out = layer(few)
         assert out.shape == (2, rows // 2, 40) and out.dtype == torch.float32
         assert torch.equal(out, kernel(layer, few.view(-1, 256), bf16).view(out.shape))
@@ -227,14 +228,14 @@ def test_compiled_module_matches_eager():
 
     module = Block()
     compiled = torch.compile(module, fullgraph=True)
-    for rows in (1, 3, block_quant.AMX_MIN_ROWS + 2, block_quant.KERNEL_MAX_ROWS + 4):
+    for rows in (1, 3, max(block_quant.BF16_ROWS.values()) + 2, block_quant.KERNEL_MAX_ROWS + 4):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(compiled(x), module(x), rtol=1e-6, atol=1e-6)
     torch._dynamo.reset()
     compiled = torch.compile(module, fullgraph=True, dynamic=True)
     compiled(torch.randn(2, 64))
     with torch.compiler.set_stance("fail_on_recompile"):
-        for rows in (block_quant.AMX_MIN_ROWS - 1, block_quant.AMX_MIN_ROWS, block_quant.KERNEL_MAX_ROWS):
+        for rows in (*block_quant.BF16_ROWS.values(), block_quant.BF16_ROWS[4] - 1, block_quant.KERNEL_MAX_ROWS):
             x = torch.randn(rows, 64)
             torch.testing.assert_close(compiled(x), module(x), rtol=1e-6, atol=1e-6)
 

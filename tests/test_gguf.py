@@ -146,8 +146,8 @@ def test_quantization_keeps_the_files_blocks(files, name, quantization):
     """QUANT=int4 on Q4_0/Q4_1 tensors and int8 on Q8_0 ones computes the file's own weights:
     each projection's layer holds exactly the weights the fp32 load dequantizes (a second
     rounding would move them), the tied output the embedding's Q8_0; and at rows that the fp32
-    kernels take (below AMX_MIN_ROWS), the logits are the fp32 model's but for the order of the sums."""
-    from block_quant import AMX_MIN_ROWS, BlockLinear
+    kernels take (below BF16_ROWS), the logits are the fp32 model's but for the order of the sums."""
+    from block_quant import BF16_ROWS, BlockLinear
 
     path = files[name][2]
     full = llama2.tp_llama(None, path, TOKENIZER, 1, max_batch_size=1, max_seq_len=32).model
@@ -157,7 +157,7 @@ def test_quantization_keeps_the_files_blocks(files, name, quantization):
     assert len(layers) == 4 * 2 + 1
     for n, layer in layers.items():
         assert torch.equal(layer.dequantize(), full.get_submodule(n).weight), n
-    tokens = long_tokens(full.vocab_size)[:, :AMX_MIN_ROWS - 1]
+    tokens = long_tokens(full.vocab_size)[:, :min(BF16_ROWS.values()) - 1]
     want = full(tokens, 0)
     assert (quantized(tokens, 0) - want).abs().max() <= 1e-5 * (want.max() - want.min())
 
