@@ -314,7 +314,7 @@ Weight<F> weight(const at::Tensor& qweight, const at::Tensor& scales, const at::
 // weight once, into a buffer the tiles load from.
 
 // The OS lends the tile registers only to a process that asks (Linux's ARCH_REQ_XCOMP_PERM for
-// XTILEDATA); where it refuses (an old kernel, a VM without AMX), block_quant.py keeps the fp32 kernels.
+// XTILEDATA); where it refuses (an old kernel, a VM without AMX), the kernels stay in fp32.
 bool amx_usable() {
   static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return ok;
@@ -397,7 +397,7 @@ void dequantize_tile(const Weight<F>& w, int64_t n0, int64_t n1, int64_t b0, int
 }
 
 // out[:, n0..n1] (n1 - n0 <= 16) for all M rows of x, a chunk of blocks at a time, so that the
-// buffer stays in L1 and the tile products of one chunk overlap the dequantizing of the next.
+// buffer (16 rows x 16 blocks, 17 KB) stays in L1.
 template <class F>
 void amx_tile(const Weight<F>& w, const at::BFloat16* xb, int64_t M, int64_t n0, int64_t n1, float* out, int64_t N,
               at::BFloat16* buf) {
