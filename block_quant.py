@@ -57,14 +57,13 @@ GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 _lock = threading.Lock()
 _loaded = False
-AMX = False  # whether the kernels compute in bf16 from BF16_ROWS rows here (set by load())
 
 
 def load():
     """Build block_quant.cpp (once per source: torch caches the build in TORCH_EXTENSIONS_DIR, and
     its lock file lets one process build while the others wait) and load its ops, with their
     fake implementations. ValueError when the machine lacks what building takes."""
-    global _loaded, AMX
+    global _loaded
     with _lock:
         if _loaded:
             return
@@ -83,7 +82,6 @@ def load():
             digest = hashlib.sha256(f.read() + repr(CFLAGS).encode() + cpu_flags()).hexdigest()[:12]
         build(name=f"block_quant_{digest}", sources=[SOURCE], extra_cflags=CFLAGS, is_python_module=False)
         register_fakes()
-        AMX = torch.ops.block_quant.amx()
         _loaded = True
 
 

@@ -130,7 +130,7 @@ def main():
     args = parser.parse_args()
     block_quant.load()
     if args.step:
-        if not block_quant.AMX:
+        if not torch.ops.block_quant.amx():
             sys.exit("--step compares the kernels in bf16, which takes AMX")
         for threads in args.threads:
             torch.set_num_threads(threads)

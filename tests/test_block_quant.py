@@ -66,7 +66,7 @@ def test_kernels_in_bf16_compute_the_dequantized_weights_in_bf16(bits):
     the order of the sums), at every row count up to 16, tails of the 16-row tiles, an odd last
     block (q4 pairs blocks), and K across several 16-block chunks; past 16 rows, in fp32."""
     block_quant.load()
-    if not block_quant.AMX:
+    if not torch.ops.block_quant.amx():
         pytest.skip("computing in bf16 takes AMX (a CPU with amx_bf16, and the OS's leave)")
     for K in (64, 96, 288, 1056):
         for N in (1, 17, 40):
@@ -84,7 +84,7 @@ def test_kernels_on_two_threads_compute_the_same():
     """Tasks split the output rows, never a sum: the result does not depend on the threads."""
     layer = BlockLinear.from_weight(weight(101, 576), 4)
     x = torch.randn(5, 576)
-    for bf16 in (False, True) if block_quant.AMX else (False,):
+    for bf16 in (False, True) if torch.ops.block_quant.amx() else (False,):
         one = kernel(layer, x, bf16)
         saved = torch.get_num_threads()
         torch.set_num_threads(2)
@@ -182,7 +182,7 @@ def test_forward_shapes_dtypes_and_the_bf16_path(bits, monkeypatch):
     first = block_quant.BF16_ROWS[bits]
     for rows in (first - 2, first, block_quant.KERNEL_MAX_ROWS):
         few = torch.randn(2, rows // 2, 256)
-        bf16 = block_quant.AMX and rows >= first
+        bf16 = torch.ops.block_quant.amx() and rows >= first
         out = layer(few)
         assert out.shape == (2, rows // 2, 40) and out.dtype == torch.float32
         assert torch.equal(out, kernel(layer, few.view(-1, 256), bf16).view(out.shape))

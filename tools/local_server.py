@@ -48,17 +48,26 @@ def free_port(taken: set = frozenset()) -> int:
 
 def free_port_range(n: int, taken: set = frozenset()) -> int:
     """A base port b with b..b+n-1 free and not taken, for the ranks' worker sockets."""
-    blocked = collections.Counter()
+    reasons = collections.Counter()
     for _ in range(100):
         base = free_port(taken)
         why = "past the range" if base + n >= PORTS.stop else next(
-            (reason for i in range(n) for reason, bad in (
-                ("taken", base + i in taken), ("bound", not port_free(base + i)),
-                ("a socket file left", os.path.exists(f"/tmp/.ts.sock.{base + i}"))) if bad), None)
+            filter(None, (blocked(base + i, taken) for i in range(n))), None)
         if why is None:
             return base
-        blocked[why] += 1
-    raise RuntimeError(f"no free range of {n} ports in {PORTS.start}-{PORTS.stop - 1}: {dict(blocked)}")
+        reasons[why] += 1
+    raise RuntimeError(f"no free range of {n} ports in {PORTS.start}-{PORTS.stop - 1}: {dict(reasons)}")
+
+
+def blocked(port: int, taken: set) -> str | None:
+    """Why port cannot be a worker's port (taken, bound, or a socket file left there), or None."""
+    if port in taken:
+        return "taken"
+    if not port_free(port):
+        return "bound"
+    if os.path.exists(f"/tmp/.ts.sock.{port}"):
+        return "a socket file left"
+    return None
 
 
 def port_free(port: int) -> bool:
