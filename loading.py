@@ -1,6 +1,7 @@
 """Loading one rank of a worker: the model, its tokenizer and the engine that serves them,
 from the handler's settings (ServingConfig), each stage logged for tools/wait_ready.py."""
 
+import functools
 import logging
 import os
 import time
@@ -39,7 +40,8 @@ def load(config: ServingConfig, model_dir: str, batch_size: int, world_size: int
                     threaded=run.overlap, speculation=speculation(config, model_dir, llama, world_size, progress),
                     async_scheduling=config.async_scheduling)
     if config.compile:
-        on_engine_thread(engine, runner.compile_decode, "compiled the decode step", progress)
+        on_engine_thread(engine, functools.partial(runner.compile_decode, cpp_wrapper=True),
+                         "compiled the decode step", progress)
     else:
         if runner.may_use_flex():  # its kernel compiled now, not in the first long step (a 13 s stall)
             on_engine_thread(engine, runner.warm_up, "compiled FlexAttention's kernel", progress)

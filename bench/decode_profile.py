@@ -43,7 +43,7 @@ def measure(checkpoint: str, quant: str, threads: int, compiled: bool, layers: i
     runner = llama.runner
     start = time.perf_counter()
     if compiled:
-        runner.compile_decode()
+        runner.compile_decode(cpp_wrapper=True)  # as the server compiles it
     compile_s = time.perf_counter() - start
     forward_s = []
     forward_batch = runner.forward_batch

@@ -144,7 +144,7 @@ def measure(part: str, path: str, quant: str, threads: int, *args):
     llama = tp_llama(None, path, path, 1, max_batch_size=1, max_seq_len=max(ctx, 640),
                      quantization=None if quant == "None" else quant)
     if part == "decode" and args and args[0] == "compiled":
-        llama.runner.compile_decode()
+        llama.runner.compile_decode(cpp_wrapper=True)  # as the server compiles it
     print(json.dumps({"decode": decode_rate, "prefill": prefill_rate, "perplexity": perplexity}[part](llama, ctx)))
 
 

@@ -297,14 +297,18 @@ def test_tp2_ranks_decide_alike_and_match_tp1(results, tmp_path):
 
 
 @pytest.mark.slow  # torch.compile
-def test_compiled_engine_never_recompiles(checkpoints):
+def test_compiled_engine_never_recompiles(checkpoints, monkeypatch):
     """compile_decode's graphs serve the engine's decode steps, whatever the number of
-    sequences and blocks; prefill chunks run eager. Outputs equal the eager engine's."""
+    sequences and blocks; prefill chunks run eager. Outputs equal the eager engine's. With
+    inductor's C++ wrapper, as the server compiles them (loading.py)."""
     # a 2-layer model (the demo's tokenizer): dynamo traces every layer of each graph, and
     # the graphs' kinds and shapes do not depend on the depth
     llama = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1, max_batch_size=4, max_seq_len=256)
     eager = workload(llama, True, 16)
-    llama.runner.compile_decode()
+    asked, real_compile = [], torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: asked.append(kwargs) or real_compile(*args, **kwargs))
+    llama.runner.compile_decode(cpp_wrapper=True)
+    assert asked[0]["options"] == {"cpp_wrapper": True}
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = workload(llama, True, 16)
     assert compiled["tokens"] == eager["tokens"]
