@@ -1,6 +1,8 @@
 """Shared fixtures: small random checkpoints in every layout, written once per test run
 by tools/make_checkpoint.py from one transformers LlamaForCausalLM (the reference)."""
 
+import contextlib
+import functools
 import json
 import os
 import re
@@ -85,6 +87,22 @@ def quick_tests_start_nothing(request, monkeypatch):
     for name in ("start", "make_serve"):
         monkeypatch.setattr(local_server.Server, name, refuse)
     monkeypatch.setattr(torchrun, "run_ranks", refuse)
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """transformers' GGUF loader with each file parsed once: it makes a gguf.GGUFReader for the
+    config, another for the weights and one for the tokenizer (4.6 s each for SmolLM2 here),
+    and gguf's tensor-name map again for each of the model's tensors (5.5 s in all). Both are
+    pure functions of their arguments, so the reference loads the same model and tokenizer."""
+    import gguf
+
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader, gguf.get_tensor_name_map = map(functools.cache, saved)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
+
 
 TOKENIZER = os.path.join(ROOT, "demo", "tokenizer.model")
 SMOLLM2 = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")  # make smollm2

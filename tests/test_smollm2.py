@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import chat_format
-from conftest import NOT_FLEX, ROOT
+from conftest import NOT_FLEX, ROOT, gguf_parsed_once
 from engine import Engine
 from llama2 import tp_llama
 from local_server import start_server
@@ -45,8 +45,9 @@ def reference():
 
     assert os.path.isfile(SMOLLM2), f"{SMOLLM2} is missing: make smollm2"
     folder, name = os.path.split(SMOLLM2)
-    return (AutoTokenizer.from_pretrained(folder, gguf_file=name),
-            LlamaForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval())
+    with gguf_parsed_once():
+        return (AutoTokenizer.from_pretrained(folder, gguf_file=name),
+                LlamaForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval())
 
 
 @pytest.fixture(scope="module")
