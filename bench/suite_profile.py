@@ -27,7 +27,7 @@ KINDS = [  # (kind, what its command line holds), the first that matches
     ("TorchServe's frontend (Java)", ("java",)),
     ("TorchServe's workers (torchrun's ranks)", ("model_service_worker",)),
     ("torchrun launcher (the tests' and TorchServe's)", ("torch.distributed.run",)),
-    ("torchrun rank (tests/*_worker.py)", ("_worker.py", "rank_zygote.py")),
+    ("test ranks (tests/*_worker.py, forked from tests/rank_zygote.py)", ("_worker.py", "rank_zygote.py")),
     ("pytest worker (in-process tests)", ("exec(eval(sys.stdin.readline()))", "pytest")),
 ]
 
