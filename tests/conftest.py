@@ -88,6 +88,7 @@ def quick_tests_start_nothing(request, monkeypatch):
         monkeypatch.setattr(local_server.Server, name, refuse)
     monkeypatch.setattr(torchrun, "run_ranks", refuse)
 
+
 @contextlib.contextmanager
 def gguf_parsed_once():
     """transformers' GGUF loader with each file parsed once: it makes a gguf.GGUFReader for the

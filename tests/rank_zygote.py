@@ -1,12 +1,17 @@
-"""A process that imports torch and the modules the test ranks use once, then forks each rank
-of tests/torchrun.py from there: a rank starts without paying for those imports (about 2.5 s
-of CPU each, some 90 ranks a suite). One per pytest worker, started on its first run.
+"""The process that forks the ranks of tests/torchrun.py:
+
+    rank_zygote.py [--preload]
+
+--preload: it imports torch and the modules the test ranks use first, once, so that a rank
+starts without paying for them (about 2.5 s of CPU each, some 90 ranks a suite); one per
+pytest worker, started on its first run. Without it, it imports nothing of its own (the
+runs with the runtime requirements alone).
 
 It reads one run a line on stdin (JSON: the script, its arguments, one environment per rank,
-one log file per rank, the timeout), forks the ranks, waits for them as run_ranks waits for
-its subprocesses (a rank that fails, or time running out, stops the others), and answers
-with what went wrong ("" when nothing did). Nothing here runs a torch operator, so no
-thread pool exists when it forks."""
+one log file per rank, the timeout), forks the ranks, waits for them (a rank that fails, or
+time running out, stops the others: one left waiting in a collective would wait for ever),
+and answers with what went wrong ("" when nothing did). Nothing here runs a torch operator,
+so no thread pool exists when it forks."""
 
 import atexit
 import importlib
@@ -36,16 +41,16 @@ def run_rank(script: str, args: list[str], env: dict, log: str):
         os.close(null)
         os.environ.clear()
         os.environ.update(env)
-        import torch
-
-        torch.set_num_threads(int(env.get("OMP_NUM_THREADS", os.cpu_count())))
+        if "torch" in sys.modules:  # preloaded: its thread count was read from this process's environment
+            sys.modules["torch"].set_num_threads(int(env.get("OMP_NUM_THREADS", os.cpu_count())))
         sys.argv = [script, *args]
         sys.path[0] = os.path.dirname(script)
         runpy.run_path(script, run_name="__main__")
         code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, (int, type(None))):
+    except SystemExit as e:  # sys.exit(n); sys.exit(message): Python prints the message and ends with 1
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
             print(e.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
@@ -80,11 +85,11 @@ def wait(pids: list[int], timeout: float) -> str:
 
 
 def main():
-    for name in PRELOADED:
-        importlib.import_module(name)
+    if "--preload" in sys.argv:
+        for name in PRELOADED:
+            importlib.import_module(name)
     for line in sys.stdin:
         run = json.loads(line)
-        sys.stdout.flush()
         pids = []
         for env, log in zip(run["envs"], run["logs"]):
             pid = os.fork()

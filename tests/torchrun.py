@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import torch
 from runtime import environment
@@ -21,36 +20,60 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(script: str, nproc: int, out_dir, *args, timeout: int = 300, runtime_only: bool = False) -> list:
     """Run tests/<script> on nproc ranks. The script gets out_dir and args, and saves rank r's
     result to out_dir/rank{r}.pt; returns those results in rank order. runtime_only: with
-    the runtime requirements alone (tests/runtime.py), in fresh processes; otherwise forked
-    from this worker's tests/rank_zygote.py, which has imported torch already."""
+    the runtime requirements alone (tests/runtime.py)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     if runtime_only:
         env = environment(out_dir, env)
     cmd = [os.path.join(ROOT, "tests", script), str(out_dir), *map(str, args)]
-    failed, output = run_ranks(cmd, env, nproc, timeout, forked=not runtime_only)
+    failed, output = run_ranks(cmd, env, nproc, timeout, preloaded=not runtime_only)
     assert not failed, f"{failed}:\n{output[-8000:]}"
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(nproc)]
 
 
-def run_ranks(cmd: list, env: dict, nproc: int, timeout: int, forked: bool = True) -> tuple[str, str]:
-    """Start nproc ranks of `python *cmd` and wait for them (conftest's guard replaces this in
-    the quick tier). Where a rank fails or time runs out, the others are stopped: a rank left
-    waiting in a collective would wait for ever. Returns what went wrong ("" when nothing
-    did) and the ranks' output, one after the other."""
+def run_ranks(cmd: list, env: dict, nproc: int, timeout: int, preloaded: bool = True) -> tuple[str, str]:
+    """Run nproc ranks of `python *cmd` with env (conftest's guard replaces this in the quick
+    tier), forked by a tests/rank_zygote.py: preloaded, this process's, which has imported torch
+    and the ranks' modules; otherwise one started with env for this run alone, which imports
+    nothing (env may allow the runtime requirements alone). Where a rank fails or time runs
+    out, the others are stopped: a rank left waiting in a collective would wait for ever.
+    Returns what went wrong ("" when nothing did) and the ranks' output, one after the other."""
     store = torch.distributed.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
     shared = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(nproc),
                   LOCAL_WORLD_SIZE=str(nproc), TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
-    envs = [dict(shared, RANK=str(r), LOCAL_RANK=str(r)) for r in range(nproc)]
     with tempfile.TemporaryDirectory() as logs:
         paths = [os.path.join(logs, f"rank{r}.log") for r in range(nproc)]
-        run_ = run_forked if forked else run_processes
-        failed = run_(cmd, envs, paths, timeout)
+        request = {"script": cmd[0], "args": cmd[1:], "logs": paths, "timeout": timeout,
+                   "envs": [dict(shared, RANK=str(r), LOCAL_RANK=str(r)) for r in range(nproc)]}
+        if preloaded:
+            failed = ask(preloaded_zygote(), request)
+        else:
+            zygote = start_zygote(env, preload=False)
+            failed = ask(zygote, request)
+            zygote.stdin.close()
+            zygote.wait()
         return failed, "".join(f"--- rank {r}\n{read(path)}" for r, path in enumerate(paths))
 
 
-def run_forked(cmd: list, envs: list[dict], logs: list[str], timeout: int) -> str:
-    request = {"script": cmd[0], "args": cmd[1:], "envs": envs, "logs": logs, "timeout": timeout}
-    zygote = started_zygote()
+def start_zygote(env: dict, preload: bool) -> subprocess.Popen:
+    """A tests/rank_zygote.py; it exits when its stdin closes (with this process at the latest)."""
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "rank_zygote.py"),
+                             *(["--preload"] if preload else [])],
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+_zygote = None
+
+
+def preloaded_zygote() -> subprocess.Popen:
+    """This process's zygote that has imported torch and the ranks' modules, started on first use."""
+    global _zygote
+    if _zygote is None or _zygote.poll() is not None:
+        _zygote = start_zygote(dict(os.environ, PYTHONPATH=ROOT), preload=True)
+    return _zygote
+
+
+def ask(zygote: subprocess.Popen, request: dict) -> str:
+    """Have zygote run request's ranks; what went wrong ("" when nothing did)."""
     zygote.stdin.write(json.dumps(request) + "\n")
     zygote.stdin.flush()
     answer = zygote.stdout.readline()
@@ -59,41 +82,6 @@ def run_forked(cmd: list, envs: list[dict], logs: list[str], timeout: int) -> st
     return json.loads(answer)["failed"]
 
 
-_zygote = None
-
-
-def started_zygote() -> subprocess.Popen:
-    """This process's zygote, started on first use; it exits with this process (its stdin closes)."""
-    global _zygote
-    if _zygote is None or _zygote.poll() is not None:
-        _zygote = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "rank_zygote.py")],
-                                   env=dict(os.environ, PYTHONPATH=ROOT), stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, text=True)
-    return _zygote
-
-
-def run_processes(cmd: list, envs: list[dict], logs: list[str], timeout: int) -> str:
-    ranks = []
-    for env, path in zip(envs, logs):
-        with open(path, "w") as log:
-            ranks.append(subprocess.Popen([sys.executable, *cmd], env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout
-    while not (failed := first_failure(ranks)) and any(rank.poll() is None for rank in ranks):
-        if time.monotonic() > deadline:
-            failed = f"timed out after {timeout} s"
-            break
-        time.sleep(0.05)
-    for rank in ranks:
-        if rank.poll() is None:
-            rank.kill()
-        rank.wait()
-    return failed
-
-
 def read(path: str) -> str:
     with open(path, errors="replace") as f:
         return f.read()
-
-
-def first_failure(ranks: list[subprocess.Popen]) -> str:
-    return next((f"rank {r} exited with {rank.returncode}" for r, rank in enumerate(ranks) if rank.poll()), "")
