@@ -150,15 +150,17 @@ def test_a_failure_reading_or_answering_costs_that_request_only(server, demo_lla
 def test_a_failure_in_a_decode_step_costs_that_step_only(server, demo_llama):
     """A decode step that raises (injected, at the request's 32nd token) fails the requests in
     that step, which is one batch: the running streams end with an error line, the one that
-    caused it too (an OpenAI stream with an error event, then [DONE]). A request of three prompts that waited for slots meanwhile is answered as
-    usual, the slots all come back, and the workers are the same processes."""
+    caused it too (an OpenAI stream with an error event, then [DONE]). A request of three
+    prompts that waited for slots meanwhile (all four taken by the streams, so that none of
+    its prompts can be in the failed step) is answered as usual, the slots all come back, and
+    the workers are the same processes."""
     bad = {"prompt": f"Once upon a time {FAULT.format('decode')}", "max_new_tokens": 60, "temperature": 0}
     openai_long = {"prompt": LONG["prompt"], "max_tokens": 150, "temperature": 0, "stream": True}
     openai_stream = server.post(openai_long, "/1.0/v1/completions", stream=True).iter_lines()
     streams = [server.post(body | {"stream": True}, stream=True).iter_lines()
-               for body in (LONG | {"max_new_tokens": 150}, bad)]
+               for body in (LONG | {"max_new_tokens": 150}, LONG | {"max_new_tokens": 140}, bad)]
     for lines in streams + [openai_stream]:
-        next(lines)  # three of the four slots decoding, bad among them
+        next(lines)  # the four slots decoding, bad among them
     failed_steps = server.log().count("engine step failed")
     waiting = {"prompt": ["The sea", "A cat", "My dog"], "max_new_tokens": 8, "temperature": 0}
     waited = server.post(waiting)  # waits in the handler for three slots, which the failure frees
