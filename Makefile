@@ -22,7 +22,7 @@ STORE := $(RUN)/model_store
 MODEL_FILES := $(wildcard *.py *.cpp)
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
-.PHONY: install demo-model smollm2 llamacpp mar serve stop test test-quick bench bench-serving clean check-java
+.PHONY: install demo-model smollm2 llamacpp mar serve stop test test-quick test-combinations bench bench-serving clean check-java
 
 check-java:
 	@command -v java >/dev/null || { echo "TorchServe needs Java 17 or newer: sudo apt-get install -y openjdk-17-jre-headless"; exit 1; }
@@ -98,7 +98,11 @@ stop:
 # Tests run on WORKERS processes (pytest-xdist): a test waiting on a server leaves the other core to another.
 WORKERS ?= 2
 test: check-java .venv/.test $(SMOLLM2)
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=15 tests
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=15 -m "not combinations" tests
+
+# Every QUANT x handler.compile x handler.attention, for SmolLM2 and the demo (tests/test_combinations.py).
+test-combinations: .venv/.test $(SMOLLM2)
+	$(PY) -m pytest -q -n $(WORKERS) --dist load --durations=10 -m combinations tests
 
 # The edit loop's tier: in-process tests only (no TorchServe, torchrun or torch.compile).
 test-quick: .venv/.test $(SMOLLM2)

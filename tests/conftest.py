@@ -49,6 +49,8 @@ TORCHSERVE_FIXTURES = {"server", "llama3_server", "own_server", "limited", "conf
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts TorchServe or torchrun ranks, compiles, or takes seconds "
                             "(transformers' models, C++ kernels, corpora; make test-quick leaves it out)")
+    config.addinivalue_line("markers", "combinations: every QUANT x handler.compile x handler.attention "
+                            "(test_combinations.py: make test-combinations; make test leaves it out)")
 
 
 # tryfirst: the groups are marked before pytest-xdist's hook reads them into the test ids

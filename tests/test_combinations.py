@@ -1,0 +1,56 @@
+"""Every combination of the settings that change how a worker computes: QUANT (none, int8,
+int4) x handler.compile x handler.attention (auto, flex, sdpa), for SmolLM2 (its Q4_1 file,
+make smollm2) and the demo checkpoint, each loaded as a worker loads it (loading.load, TP=1,
+tests/combination_worker.py): a compiled worker gives the eager worker's greedy tokens, and
+unquantized, every attention gives the same tokens (quantized, their rounding may part them at a
+near tie: SmolLM2 int8, flex against sdpa, at a haiku's 18th token). `make test-combinations` runs them
+(36 workers, half of them compiling: minutes each with an empty inductor cache); `make test`
+leaves them out."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import DEMO, ROOT, SMOLLM2
+
+pytestmark = [pytest.mark.combinations, pytest.mark.slow]
+
+CHECKPOINTS = {"demo": DEMO, "smollm2": SMOLLM2}
+QUANTS = ("none", "int8", "int4")
+ATTENTIONS = ("auto", "flex", "sdpa")
+
+
+def answers(model: str, quant: str, attention: str, compiled: bool) -> list[list[int]]:
+    """The greedy tokens of a worker loaded with these settings."""
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "combination_worker.py"), CHECKPOINTS[model],
+                           quant, attention, str(compiled).lower()], capture_output=True, text=True, timeout=1200,
+                          env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])["tokens"]
+
+
+@pytest.fixture(scope="module")
+def eager():
+    """The eager workers' tokens, each combination's made once, when a test first asks."""
+    made = {}
+
+    def tokens(model: str, quant: str, attention: str) -> list[list[int]]:
+        if (model, quant, attention) not in made:
+            made[model, quant, attention] = answers(model, quant, attention, False)
+        return made[model, quant, attention]
+    return tokens
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("model", list(CHECKPOINTS))
+def test_compiled_answers_as_eager(eager, model, quant, attention):
+    assert answers(model, quant, attention, True) == eager(model, quant, attention)
+
+
+@pytest.mark.parametrize("model", list(CHECKPOINTS))
+def test_every_attention_answers_alike_unquantized(eager, model):
+    assert eager(model, "none", "flex") == eager(model, "none", "sdpa") == eager(model, "none", "auto")
