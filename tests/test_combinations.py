@@ -3,9 +3,9 @@ int4) x handler.compile x handler.attention (auto, flex, sdpa), for SmolLM2 (its
 make smollm2) and the demo checkpoint, each loaded as a worker loads it (loading.load, TP=1,
 tests/combination_worker.py): a compiled worker gives the eager worker's greedy tokens, and
 unquantized, every attention gives the same tokens (quantized, their rounding may part them at a
-near tie: SmolLM2 int8, flex against sdpa, at a haiku's 18th token). `make test-combinations` runs them
-(36 workers, half of them compiling: minutes each with an empty inductor cache); `make test`
-leaves them out."""
+near tie: seen with SmolLM2 int8, flex against sdpa). `make test-combinations` runs them (36
+workers, half of them compiling: up to 8 minutes each for SmolLM2 with an empty inductor cache);
+`make test` leaves them out."""
 
 import json
 import os
@@ -24,12 +24,15 @@ ATTENTIONS = ("auto", "flex", "sdpa")
 
 
 def answers(model: str, quant: str, attention: str, compiled: bool) -> list[list[int]]:
-    """The greedy tokens of a worker loaded with these settings."""
+    """The greedy tokens of a worker loaded with these settings, whose attention is the one asked
+    for: sdpa never attends with FlexAttention, flex and auto do (auto for the long prompts)."""
     done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "combination_worker.py"), CHECKPOINTS[model],
                            quant, attention, str(compiled).lower()], capture_output=True, text=True, timeout=1200,
                           env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1])["tokens"]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert (out["flex_steps"] > 0) == (attention != "sdpa"), out["flex_steps"]
+    return out["tokens"]
 
 
 @pytest.fixture(scope="module")
