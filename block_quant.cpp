@@ -10,6 +10,8 @@
 //   q8: qweight int8 (N, K), w = scale * q.
 //   scales, offsets: fp16 (N, K/32): a GGUF file's own numbers, 4 bytes a block fewer to read
 //   than fp32 (a q4 block is 20 bytes, not 24).
+// With int8_x, on a CPU with AVX512-VNNI, below bf16_rows: x is rounded to int8 per block, as
+// llama.cpp multiplies these formats, and the products are summed in int32 (the int8_x section).
 // From bf16_rows rows of x (up to 16), on a CPU whose AMX this process may use, linear_q4/q8 compute
 // in bf16 instead: x and the dequantized weights rounded to bf16, products summed in fp32, as
 // F.linear in bf16 does. The choice is the op's, so a compiled graph holds no branch on the rows.
@@ -29,6 +31,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define BQ_AVX512 1
 #include <immintrin.h>
+#if defined(__AVX512VNNI__)
+#define BQ_VNNI 1
+#endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define BQ_AMX 1
 #include <sys/syscall.h>
@@ -225,13 +230,18 @@ inline void chunk_scales(const Weight<F>& w, int64_t n, int64_t b0, int64_t len,
 // out[m..m+R, n..n+C]: each weight block of the C rows is dequantized once and used for the R
 // rows of x (register tiling: R*C accumulators and 2*C weight vectors of the 32 zmm).
 // noinline: inlined into the parallel loop, GCC kept the row pointers on the stack (+25 %).
+struct XFloat {  // x (M, K) as it is
+  const float* p;
+  int64_t K;
+};
+
 template <class F, int R, int C>
-__attribute__((noinline)) void tile(const float* x, int64_t K, const Weight<F>& w, int64_t m, int64_t n,
-                                    float* out, int64_t N) {
+__attribute__((noinline)) void tile(const XFloat& x, const Weight<F>& w, int64_t m, int64_t n, float* out,
+                                    int64_t N) {
   const typename F::Packed* q[C];
   for (int c = 0; c < C; c++) q[c] = w.row(n + c);
   const float* xr[R];
-  for (int r = 0; r < R; r++) xr[r] = x + (m + r) * K;
+  for (int r = 0; r < R; r++) xr[r] = x.p + (m + r) * x.K;
   Vec acc[R][C] = {};
   for (int64_t b0 = 0; b0 < w.blocks; b0 += CHUNK) {
     int64_t len = std::min(CHUNK, w.blocks - b0);
@@ -255,6 +265,141 @@ __attribute__((noinline)) void tile(const float* x, int64_t K, const Weight<F>& 
     for (int c = 0; c < C; c++) out[(m + r) * N + n + c] = sum(acc[r][c]);
 }
 
+#if BQ_VNNI
+// ---- int8_x: x quantized per block, the products summed in int32 (AVX512-VNNI) ----
+// As llama.cpp's CPU backend multiplies these formats: each block of 32 of x becomes int8 with a
+// scale of its own (Q8_0's: d = max |x| / 127, q = x * (127 / max |x|) rounded to nearest
+// even), and vpdpbusd sums four int8 products a 32-bit lane, 64 a vector, two blocks at once; a
+// block's sum is then scaled by the weight's scale times d in fp32. A q4 block's offset o adds
+// o * sum(x), with x's own sum. Per weight that is half the fp32 path's instructions, which
+// bound it at a few rows (a decode step), and the weights are read as they are stored.
+
+constexpr int64_t PAIR = 2 * BLOCK;  // x's int8 per block pair (a vector)
+
+struct XInt8 {  // x (M, K) quantized, each row padded to whole block pairs
+  int64_t pairs;            // block pairs per row
+  std::vector<int8_t> q;    // (M, pairs, 64), in the weights' order within a pair (pair_x)
+  std::vector<float> d, s;  // (M, 2 * pairs + CHUNK): each block's scale and x's sum over it
+};
+
+// The 32 lanes of a vpdpbusd sum are 16 lanes of 4 products; this lays a pair of x's blocks a and
+// b out in the order in which the weights come: q8: a's 32 then b's; q4 (nibbles: a block's
+// low nibbles are weights 0..15, its high ones 16..31): a 0..15, b 0..15, a 16..31, b 16..31.
+template <class F>
+inline void pair_x(const int8_t* a, const int8_t* b, int8_t* dst) {
+  if constexpr (std::is_same_v<F, Q8>) {
+    std::copy(a, a + BLOCK, dst), std::copy(b, b + BLOCK, dst + BLOCK);
+  } else {
+    std::copy(a, a + 16, dst), std::copy(b, b + 16, dst + 16);
+    std::copy(a + 16, a + 32, dst + 32), std::copy(b + 16, b + 32, dst + 48);
+  }
+}
+
+// Which block of a pair each 32-bit lane of its sum belongs to (0: a, 1: b)
+template <class F>
+inline __m512i pair_lanes() {
+  if constexpr (std::is_same_v<F, Q8>) return _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  return _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+}
+
+// One block of x to int8 (q), its scale and its sum
+inline void quantize_block(const float* p, int8_t* q, float& d, float& s) {
+  __m512 lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16);
+  float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  s = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+  d = amax / 127;
+  __m512 inv = _mm512_set1_ps(amax > 0 ? 127 / amax : 0.f);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inv))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
+                   _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inv))));
+}
+
+template <class F>
+XInt8 quantize_x(const float* x, int64_t M, int64_t K) {
+  int64_t blocks = K / BLOCK, pairs = (blocks + 1) / 2, stride = 2 * pairs + CHUNK;
+  // d and s are read a chunk (16 blocks) at a time: zeros past a row's blocks
+  XInt8 xq{pairs, std::vector<int8_t>(M * pairs * PAIR), std::vector<float>(M * stride), std::vector<float>(M * stride)};
+  for (int64_t m = 0; m < M; m++) {
+    alignas(64) int8_t qa[BLOCK], qb[BLOCK];
+    for (int64_t p = 0; p < pairs; p++) {
+      int64_t a = 2 * p, i = m * stride + a;
+      quantize_block(x + m * K + a * BLOCK, qa, xq.d[i], xq.s[i]);
+      if (a + 1 < blocks)
+        quantize_block(x + m * K + (a + 1) * BLOCK, qb, xq.d[i + 1], xq.s[i + 1]);
+      else
+        std::fill(qb, qb + BLOCK, 0);  // an odd last block's partner: nothing
+      pair_x<F>(qa, qb, xq.q.data() + (m * pairs + p) * PAIR);
+    }
+  }
+  return xq;
+}
+
+// A pair of weight blocks as vpdpbusd's unsigned operand (into u) and, for q8, the lanes whose
+// x must change sign (w < 0: u holds |w|); len: 1 where the pair is an odd last block alone
+template <class F>
+inline void load_pair(const typename F::Packed* p, int len, __m512i& u, __mmask64& negative) {
+  if constexpr (std::is_same_v<F, Q8>) {
+    __m512i w = len == 2 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, p);
+    u = _mm512_abs_epi8(w), negative = _mm512_movepi8_mask(w);
+  } else {
+    __m256i b = len == 2 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi8(0xFFFF, p);
+    __m512i both = _mm512_broadcast_i64x4(b);  // the upper half takes the high nibbles
+    u = _mm512_and_si512(_mm512_mask_srli_epi16(both, 0xFFFF0000u, both, 4), _mm512_set1_epi8(15));
+    negative = 0;
+  }
+}
+
+template <class F, int R, int C>
+__attribute__((noinline)) void tile(const XInt8& x, const Weight<F>& w, int64_t m, int64_t n, float* out,
+                                    int64_t N) {
+  const typename F::Packed* q[C];
+  for (int c = 0; c < C; c++) q[c] = w.row(n + c);
+  int64_t stride = 2 * x.pairs + CHUNK;
+  const int8_t* xr[R];
+  for (int r = 0; r < R; r++) xr[r] = x.q.data() + (m + r) * x.pairs * PAIR;
+  const __m512i lanes = pair_lanes<F>(), zero = _mm512_setzero_si512();
+  __m512 acc[R][C] = {};
+  for (int64_t b0 = 0; b0 < w.blocks; b0 += CHUNK) {
+    int64_t len = std::min(CHUNK, w.blocks - b0);
+    alignas(64) float s[C][CHUNK], o[C][CHUNK];
+    alignas(64) float sd[R][C][CHUNK];  // the weight's scale times x's, by block
+    for (int c = 0; c < C; c++) chunk_scales(w, n + c, b0, len, s[c], o[c]);
+    for (int r = 0; r < R; r++) {
+      const float* d = x.d.data() + (m + r) * stride + b0;
+      for (int c = 0; c < C; c++) {
+        _mm512_store_ps(sd[r][c], _mm512_mul_ps(_mm512_load_ps(s[c]), _mm512_loadu_ps(d)));
+        if constexpr (std::is_same_v<F, Q4>)  // o * sum(x), lane by lane: the lanes are summed at the end
+          acc[r][c] = _mm512_fmadd_ps(_mm512_load_ps(o[c]), _mm512_loadu_ps(x.s.data() + (m + r) * stride + b0),
+                                      acc[r][c]);
+      }
+    }
+    for (int64_t b = 0; b < len; b += 2) {
+      int pair = std::min<int64_t>(2, len - b);
+      __m512i xv[R];
+      for (int r = 0; r < R; r++) {
+        xv[r] = _mm512_loadu_si512(xr[r]);
+        xr[r] += PAIR;
+      }
+      __m512i lane_block = _mm512_add_epi32(lanes, _mm512_set1_epi32(b));
+      for (int c = 0; c < C; c++) {
+        __builtin_prefetch(reinterpret_cast<const char*>(q[c]) + PREFETCH);
+        __m512i u;
+        __mmask64 negative;
+        load_pair<F>(q[c], pair, u, negative);
+        q[c] += 2 * F::BYTES;
+        for (int r = 0; r < R; r++) {
+          __m512i sx = _mm512_mask_sub_epi8(xv[r], negative, zero, xv[r]);
+          __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, u, sx));
+          acc[r][c] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(lane_block, _mm512_load_ps(sd[r][c])), acc[r][c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < C; c++) out[(m + r) * N + n + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+#endif
+
 // Tile sizes, measured (1 thread, K = 576 and 1536, cycles per row of x and block): one row of x
 // takes 4 weight rows a tile (2 rows: 10 % slower; 3, 6 or 8: the same within the noise); 8
 // rows of x take 2 weight rows (2.0, against 2.3 with 4x4, 4x3 or 6x3 tiles).
@@ -263,28 +408,40 @@ template <int R>
 constexpr int tile_n() { return R <= 4 ? 4 : 2; }  // weight rows per tile
 constexpr int64_t ROWS_PER_TASK = 16;  // weight rows a task computes for every row of x, in L1
 
-template <class F, int R>
-void tiles(const float* x, int64_t K, const Weight<F>& w, int64_t m, int64_t n0, int64_t n1, float* out, int64_t N) {
+// X: XFloat, or XInt8 (below, the int8 products): each has its own tile()
+template <class F, int R, class X>
+void tiles(const X& x, const Weight<F>& w, int64_t m, int64_t n0, int64_t n1, float* out, int64_t N) {
   constexpr int C = tile_n<R>();
   int64_t n = n0;
-  for (; n + C <= n1; n += C) tile<F, R, C>(x, K, w, m, n, out, N);
-  for (; n < n1; n++) tile<F, R, 1>(x, K, w, m, n, out, N);
+  for (; n + C <= n1; n += C) tile<F, R, C>(x, w, m, n, out, N);
+  for (; n < n1; n++) tile<F, R, 1>(x, w, m, n, out, N);
 }
 
-template <class F>
-void rows(const float* x, int64_t M, int64_t K, const Weight<F>& w, int64_t n0, int64_t n1, float* out, int64_t N) {
+template <class F, class X>
+void rows(const X& x, int64_t M, const Weight<F>& w, int64_t n0, int64_t n1, float* out, int64_t N) {
   for (int64_t m = 0; m < M; m += TILE_M) {
     switch (std::min<int64_t>(TILE_M, M - m)) {
-      case 1: tiles<F, 1>(x, K, w, m, n0, n1, out, N); break;
-      case 2: tiles<F, 2>(x, K, w, m, n0, n1, out, N); break;
-      case 3: tiles<F, 3>(x, K, w, m, n0, n1, out, N); break;
-      case 4: tiles<F, 4>(x, K, w, m, n0, n1, out, N); break;
-      case 5: tiles<F, 5>(x, K, w, m, n0, n1, out, N); break;
-      case 6: tiles<F, 6>(x, K, w, m, n0, n1, out, N); break;
-      case 7: tiles<F, 7>(x, K, w, m, n0, n1, out, N); break;
-      case 8: tiles<F, 8>(x, K, w, m, n0, n1, out, N); break;
+      case 1: tiles<F, 1>(x, w, m, n0, n1, out, N); break;
+      case 2: tiles<F, 2>(x, w, m, n0, n1, out, N); break;
+      case 3: tiles<F, 3>(x, w, m, n0, n1, out, N); break;
+      case 4: tiles<F, 4>(x, w, m, n0, n1, out, N); break;
+      case 5: tiles<F, 5>(x, w, m, n0, n1, out, N); break;
+      case 6: tiles<F, 6>(x, w, m, n0, n1, out, N); break;
+      case 7: tiles<F, 7>(x, w, m, n0, n1, out, N); break;
+      case 8: tiles<F, 8>(x, w, m, n0, n1, out, N); break;
     }
   }
+}
+
+// out (M, N) = x @ w.T on the register tiles, tasks of ROWS_PER_TASK weight rows
+template <class F, class X>
+void linear_tiles(const X& x, int64_t M, int64_t K, const Weight<F>& w, int64_t N, float* op) {
+  int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+  // at least ~64K multiply-adds per thread: below that, waking another thread costs more than it saves
+  int64_t grain = std::max<int64_t>(1, 65536 / (M * K * ROWS_PER_TASK));
+  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) rows(x, M, w, t * ROWS_PER_TASK, std::min(N, (t + 1) * ROWS_PER_TASK), op, N);
+  });
 }
 
 void check_shapes(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor* offsets, int64_t K,
@@ -448,7 +605,7 @@ void linear_bf16(const at::Tensor&, const Weight<F>&, int64_t, float*) {}
 
 template <class F>
 at::Tensor linear(const at::Tensor& x_, const at::Tensor& qweight, const at::Tensor& scales,
-                  const at::Tensor* offsets, int64_t bf16_rows) {
+                  const at::Tensor* offsets, int64_t bf16_rows, bool int8_x) {
   TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat, "x must be float32 (M, K)");
   int64_t M = x_.size(0), K = x_.size(1), N = qweight.size(0);
   check_shapes(qweight, scales, offsets, K, F::BYTES, c10::CppTypeToScalarType<typename F::Packed>::value);
@@ -461,14 +618,13 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& qweight, const at::Ten
     linear_bf16(x, w, N, op);
     return out;
   }
-  const float* xp = x.data_ptr<float>();
-  int64_t tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-  // at least ~64K multiply-adds per thread: below that, waking another thread costs more than it saves
-  int64_t grain = std::max<int64_t>(1, 65536 / (M * K * ROWS_PER_TASK));
-  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++)
-      rows(xp, M, K, w, t * ROWS_PER_TASK, std::min(N, (t + 1) * ROWS_PER_TASK), op, N);
-  });
+#if BQ_VNNI
+  if (int8_x) {
+    linear_tiles(quantize_x<F>(x.data_ptr<float>(), M, K), M, K, w, N, op);
+    return out;
+  }
+#endif
+  linear_tiles(XFloat{x.data_ptr<float>(), K}, M, K, w, N, op);
   return out;
 }
 
@@ -508,12 +664,18 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const
 
 
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                     const at::Tensor& offsets, int64_t bf16_rows) {
-  return linear<Q4>(x, qweight, scales, &offsets, bf16_rows);
+                     const at::Tensor& offsets, int64_t bf16_rows, bool int8_x) {
+  return linear<Q4>(x, qweight, scales, &offsets, bf16_rows, int8_x);
 }
-at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bf16_rows) {
-  return linear<Q8>(x, qweight, scales, nullptr, bf16_rows);
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, int64_t bf16_rows,
+                     bool int8_x) {
+  return linear<Q8>(x, qweight, scales, nullptr, bf16_rows, int8_x);
 }
+#if BQ_VNNI
+bool vnni() { return true; }
+#else
+bool vnni() { return false; }
+#endif
 at::Tensor dequantize_q4(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& offsets,
                          at::ScalarType dtype) {
   return dequantize<Q4>(qweight, scales, &offsets, dtype);
@@ -525,9 +687,10 @@ at::Tensor dequantize_q8(const at::Tensor& qweight, const at::Tensor& scales, at
 }  // namespace
 
 TORCH_LIBRARY(block_quant, m) {
-  m.def("linear_q4(Tensor x, Tensor qweight, Tensor scales, Tensor offsets, int bf16_rows) -> Tensor");
-  m.def("linear_q8(Tensor x, Tensor qweight, Tensor scales, int bf16_rows) -> Tensor");
+  m.def("linear_q4(Tensor x, Tensor qweight, Tensor scales, Tensor offsets, int bf16_rows, bool int8_x) -> Tensor");
+  m.def("linear_q8(Tensor x, Tensor qweight, Tensor scales, int bf16_rows, bool int8_x) -> Tensor");
   m.def("amx() -> bool", amx_usable);  // whether bf16_rows can take effect
+  m.def("vnni() -> bool", vnni);       // whether int8_x can
   m.def("dequantize_q4(Tensor qweight, Tensor scales, Tensor offsets, ScalarType dtype) -> Tensor");
   m.def("dequantize_q8(Tensor qweight, Tensor scales, ScalarType dtype) -> Tensor");
 }

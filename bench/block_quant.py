@@ -5,6 +5,7 @@
 
 For each weight (in_features K, out_features N) and rows M of x, µs per call of:
   q4, q8        our kernels in fp32 (torch.ops.block_quant.linear_q4 / linear_q8, bf16_rows past 16)
+  q4i8, q8i8    the same with x in int8 blocks (int8_x), summed in int32
   deq+bf16      what BlockLinear does above KERNEL_MAX_ROWS: dequantize_q4 to bf16 (in 4 MB slices), F.linear
   int4          torch's _weight_int4pack_mm_for_cpu (bf16 x, bf16 scales and zeros: QUANT=int4)
   int8          torch's _weight_int8pack_mm (bf16 x, one scale per output channel: QUANT=int8)
@@ -15,9 +16,9 @@ over all of them); the table gives the median of the rounds. The bandwidth refer
 of 64 MB into an allocated tensor (read + written bytes) and a sum over it (read bytes).
 
 --step: the projections of one SmolLM2 decode step instead, each of its 30 layers with weights of
-its own (q/k/v, o, gate/up and down in q4, the head in q8), so that they come from L3 or memory
-as in a real step, not from L2 as in a loop over one weight: ms of the fp32 kernels and of the
-bf16 (AMX) ones at each number of rows, medians of the rounds.
+its own (q/k/v, o, gate/up and down in q4, then in q8; the head in q8), so that they come from L3
+or memory as in a real step, not from L2 as in a loop over one weight: ms of the kernels in fp32,
+with x in int8 (int8_x) and in bf16 (AMX) at each number of rows, medians of the rounds.
 """
 
 import argparse
@@ -34,7 +35,7 @@ import block_quant  # noqa: E402
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # SmolLM2: q/k/v, o, gate/up, down, vocab
 ROWS = [1, 2, 4, 8, 16, 64, 512]
-COLUMNS = ["q4", "q8", "deq+bf16", "int4", "int8", "fp32", "bf16"]
+COLUMNS = ["q4", "q4i8", "q8", "q8i8", "deq+bf16", "int4", "int8", "fp32", "bf16"]
 FP32 = block_quant.KERNEL_MAX_ROWS + 1  # the kernels' bf16_rows: never in bf16
 
 
@@ -70,8 +71,10 @@ def variants(K: int, N: int, M: int) -> dict:
     int8 = (w / int8_scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
     w_bf16 = w.bfloat16()
     return {
-        "q4": lambda: ops.linear_q4(x, q4.qweight, q4.scales, q4.offsets, FP32),
-        "q8": lambda: ops.linear_q8(x, q8.qweight, q8.scales, FP32),
+        "q4": lambda: ops.linear_q4(x, q4.qweight, q4.scales, q4.offsets, FP32, False),
+        "q4i8": lambda: ops.linear_q4(x, q4.qweight, q4.scales, q4.offsets, FP32, True),
+        "q8": lambda: ops.linear_q8(x, q8.qweight, q8.scales, FP32, False),
+        "q8i8": lambda: ops.linear_q8(x, q8.qweight, q8.scales, FP32, True),
         "deq+bf16": lambda: q4.bf16_linear(x),
         "int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, int4, 32, zeros),
         "int8": lambda: torch.ops.aten._weight_int8pack_mm(xb, int8, int8_scales),
@@ -90,34 +93,32 @@ def bandwidth(rounds: int) -> tuple[float, float]:
 
 
 def step_projections(rows: list[int], rounds: int):
-    """Prints ms of a decode step's projections, fp32 kernels against bf16 ones (see --step)."""
+    """Prints ms of a decode step's projections in each of the kernels' ways (see --step)."""
     g = torch.Generator().manual_seed(0)
-    layers = [[block_quant.BlockLinear.from_weight(torch.randn(n, k, generator=g) * 0.05, 4) for k, n in SHAPES[:4]]
-              for _ in range(30)]
+    weights = [[torch.randn(n, k, generator=g) * 0.05 for k, n in SHAPES[:4]] for _ in range(30)]
+    layers = {bits: [[block_quant.BlockLinear.from_weight(w, bits) for w in layer] for layer in weights] for bits in (4, 8)}
     head = block_quant.BlockLinear.from_weight(torch.randn(SHAPES[4][1], SHAPES[4][0], generator=g) * 0.05, 8)
-    ops = torch.ops.block_quant
+    modes = {"fp32": (FP32, False), "int8": (FP32, True), "bf16": (1, False)}  # bf16_rows, int8_x
 
-    def layers_q4(xs: dict, bf16: bool):
-        for layer in layers:
-            for m in layer:
-                ops.linear_q4(xs[m.in_features], m.qweight, m.scales, m.offsets, 1 if bf16 else FP32)
+    def call(m: block_quant.BlockLinear, x: torch.Tensor, mode: str):
+        if m.bits == 4:
+            return torch.ops.block_quant.linear_q4(x, m.qweight, m.scales, m.offsets, *modes[mode])
+        return torch.ops.block_quant.linear_q8(x, m.qweight, m.scales, *modes[mode])
 
-    def head_q8(xs: dict, bf16: bool):
-        ops.linear_q8(xs[head.in_features], head.qweight, head.scales, 1 if bf16 else FP32)
-
-    print(f"{'rows':>4} {'q4 layers fp32':>15} {'bf16':>7} {'q8 head fp32':>13} {'bf16':>7}  (ms, median of {rounds})")
+    parts = {"q4 layers": lambda xs, mode: [call(m, xs[m.in_features], mode) for layer in layers[4] for m in layer],
+             "q8 layers": lambda xs, mode: [call(m, xs[m.in_features], mode) for layer in layers[8] for m in layer],
+             "q8 head": lambda xs, mode: call(head, xs[head.in_features], mode)}
+    print(f"ms, median of {rounds}; columns: " + ", ".join(f"{p} {m}" for p in parts for m in modes))
     for M in rows:
         xs = {k: torch.randn(M, k, generator=g) for k in (576, 1536)}
         ms = {}
         for _ in range(rounds):
-            for part in (layers_q4, head_q8):
-                for bf16 in (False, True):
+            for part, f in parts.items():
+                for mode in modes:
                     t0 = time.perf_counter()
-                    part(xs, bf16)
-                    ms.setdefault((part, bf16), []).append((time.perf_counter() - t0) * 1e3)
-        med = {key: statistics.median(v) for key, v in ms.items()}
-        print(f"{M:>4} {med[layers_q4, False]:>15.2f} {med[layers_q4, True]:>7.2f} "
-              f"{med[head_q8, False]:>13.2f} {med[head_q8, True]:>7.2f}", flush=True)
+                    f(xs, mode)
+                    ms.setdefault((part, mode), []).append((time.perf_counter() - t0) * 1e3)
+        print(f"{M:>4} " + " ".join(f"{statistics.median(v):>7.2f}" for v in ms.values()), flush=True)
 
 
 def main():

@@ -30,13 +30,35 @@ def weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     return w
 
 
-def kernel(layer: BlockLinear, x: torch.Tensor, bf16: bool = False) -> torch.Tensor:
-    """The kernel in fp32 at any number of rows (bf16: in bf16 from 1 row, where there is AMX),
-    whatever forward would pick for these rows."""
+def kernel(layer: BlockLinear, x: torch.Tensor, bf16: bool = False, int8_x: bool = False) -> torch.Tensor:
+    """The kernel in fp32 at any number of rows (bf16: in bf16 from 1 row, where there is AMX;
+    int8_x: with x in int8 blocks, where there is VNNI), whatever forward would pick for these rows."""
     bf16_rows = 1 if bf16 else block_quant.KERNEL_MAX_ROWS + 1
     if layer.bits == 4:
-        return torch.ops.block_quant.linear_q4(x, layer.qweight, layer.scales, layer.offsets, bf16_rows)
-    return torch.ops.block_quant.linear_q8(x, layer.qweight, layer.scales, bf16_rows)
+        return torch.ops.block_quant.linear_q4(x, layer.qweight, layer.scales, layer.offsets, bf16_rows, int8_x)
+    return torch.ops.block_quant.linear_q8(x, layer.qweight, layer.scales, bf16_rows, int8_x)
+
+
+def int8_x_products(layer: BlockLinear, x: torch.Tensor) -> torch.Tensor:
+    """What int8_x computes, by its definition (block_quant.cpp), in float64: each block of 32 of
+    x rounded to int8 with d = max |x| / 127 (to nearest even, of x * (127 / max |x|) in fp32);
+    a block's integer dot product with the weight's levels, times the fp32 product of the
+    weight's scale and d; plus each block's offset times x's sum over it."""
+    (M, K), N = x.shape, layer.out_features
+    blocks = x.view(M, K // 32, 32)
+    amax = blocks.abs().amax(-1)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = (blocks * inverse[..., None]).round().clamp(-127, 127).double()
+    if layer.bits == 4:
+        packed = layer.qweight.view(N, K // 32, 16)
+        levels = torch.cat([packed & 15, packed >> 4], -1).double()
+    else:
+        levels = layer.qweight.view(N, K // 32, 32).double()
+    scales = (layer.scales.float()[None] * (amax / 127)[:, None]).double()  # (M, N, blocks), rounded in fp32
+    out = (scales * torch.einsum("mbk,nbk->mnb", q, levels)).sum(-1)
+    if layer.bits == 4:
+        out += blocks.double().sum(-1) @ layer.offsets.double().T
+    return out
 
 
 def assert_matches_dequantized(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
@@ -58,6 +80,29 @@ def test_kernels_compute_the_dequantized_weights(bits, K):
         for M in (1, 2, 3, 8, 17, 64):
             x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
             assert_matches_dequantized(kernel(layer, x), x, w)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernels_with_int8_x_compute_int8_products(bits):
+    """int8_x, where there is VNNI: int8_x_products up to the order of the fp32 sums, at every
+    tile height (1 to 8 rows of x, then 9), tails of the tile widths, an odd last block (blocks
+    go in pairs), K across several 16-block chunks, a block of x all zeros and one of large
+    values; and not the fp32 kernel's numbers (x is rounded)."""
+    block_quant.load()
+    if not torch.ops.block_quant.vnni():
+        pytest.skip("int8_x takes AVX512-VNNI")
+    for K in (64, 96, 576, 1056):
+        for N in (1, 7, 37):
+            layer = BlockLinear.from_weight(weight(N, K, seed=N), bits)
+            for M in (1, 2, 3, 4, 5, 6, 7, 8, 9):
+                x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+                x[0, :32] = 0
+                x[-1, -32:] *= 1e4
+                out = kernel(layer, x, int8_x=True).double()
+                scale = x.double().abs() @ layer.dequantize().double().abs().T
+                err = ((out - int8_x_products(layer, x)).abs() / scale.clamp(min=1e-30)).max().item()
+                assert err < 1e-6, (K, N, M, err)
+    assert not torch.equal(kernel(layer, x, int8_x=True), kernel(layer, x))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -84,15 +129,15 @@ def test_kernels_on_two_threads_compute_the_same():
     """Tasks split the output rows, never a sum: the result does not depend on the threads."""
     layer = BlockLinear.from_weight(weight(101, 576), 4)
     x = torch.randn(5, 576)
-    for bf16 in (False, True) if torch.ops.block_quant.amx() else (False,):
-        one = kernel(layer, x, bf16)
+    for bf16, int8_x in ((False, False), (False, True), (True, False)):
+        one = kernel(layer, x, bf16, int8_x)
         saved = torch.get_num_threads()
         torch.set_num_threads(2)
         try:
-            two = kernel(layer, x, bf16)
+            two = kernel(layer, x, bf16, int8_x)
         finally:
             torch.set_num_threads(saved)
-        assert torch.equal(one, two), bf16
+        assert torch.equal(one, two), (bf16, int8_x)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -173,9 +218,9 @@ def test_cat_fuses_rows():
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_forward_shapes_dtypes_and_the_bf16_path(bits, monkeypatch):
-    """forward: any leading shape, float32 or bfloat16 (computed by the fp32 kernel below
-    BF16_ROWS rows, in bf16 from there up to KERNEL_MAX_ROWS where there is AMX, in bf16 by F.linear
-    above, on slices of 16 rows here), output in x's dtype."""
+    """forward: any leading shape, float32 or bfloat16 (computed by the kernels below BF16_ROWS
+    rows, with x in int8 blocks as INT8_X says, in bf16 from there up to KERNEL_MAX_ROWS where
+    there is AMX, in bf16 by F.linear above, on slices of 16 rows here), output in x's dtype."""
     monkeypatch.setattr(block_quant, "DEQUANTIZE_SLICE", 16 * 256)
     layer = BlockLinear.from_weight(weight(40, 256), bits)
     w = layer.dequantize()
@@ -183,12 +228,14 @@ def test_forward_shapes_dtypes_and_the_bf16_path(bits, monkeypatch):
     for rows in (first - 2, first, block_quant.KERNEL_MAX_ROWS):
         few = torch.randn(2, rows // 2, 256)
         bf16 = torch.ops.block_quant.amx() and rows >= first
+        int8_x = block_quant.INT8_X and rows < first
         out = layer(few)
         assert out.shape == (2, rows // 2, 40) and out.dtype == torch.float32
-        assert torch.equal(out, kernel(layer, few.view(-1, 256), bf16).view(out.shape))
+        assert torch.equal(out, kernel(layer, few.view(-1, 256), bf16, int8_x).view(out.shape))
         out = layer(few.bfloat16())
         assert out.dtype == torch.bfloat16
-        assert torch.equal(out, kernel(layer, few.bfloat16().float().view(-1, 256), bf16).view(out.shape).bfloat16())
+        want = kernel(layer, few.bfloat16().float().view(-1, 256), bf16, int8_x)
+        assert torch.equal(out, want.view(out.shape).bfloat16())
     many = torch.randn(block_quant.KERNEL_MAX_ROWS + 1, 256)
     for x in (many, many.bfloat16()):
         out = layer(x)
@@ -205,8 +252,10 @@ def test_fake_implementations():
     x = torch.randn(3, 64)
     ops = torch.ops.block_quant
     checks = ("test_schema", "test_faketensor")
-    for op, args in ((ops.linear_q4, (x, layer.qweight, layer.scales, layer.offsets, 1)),
-                     (ops.linear_q8, (x, layer8.qweight, layer8.scales, 17)),
+    for op, args in ((ops.linear_q4, (x, layer.qweight, layer.scales, layer.offsets, 1, False)),
+                     (ops.linear_q4, (x, layer.qweight, layer.scales, layer.offsets, 17, True)),
+                     (ops.linear_q8, (x, layer8.qweight, layer8.scales, 17, False)),
+                     (ops.linear_q8, (x, layer8.qweight, layer8.scales, 17, True)),
                      (ops.dequantize_q4, (layer.qweight, layer.scales, layer.offsets, torch.bfloat16)),
                      (ops.dequantize_q8, (layer8.qweight, layer8.scales, torch.float32))):
         torch.library.opcheck(op, args, test_utils=checks)
@@ -261,6 +310,7 @@ CHECK_BUILD = """
 import sys, torch
 import block_quant
 block_quant.CFLAGS += sys.argv[1:]
+block_quant.INT8_X = False  # the fp32 kernels: a build without VNNI has only them
 block_quant.load()
 torch.manual_seed(0)
 for bits in (4, 8):

@@ -142,12 +142,16 @@ def test_logits_equal_safetensors_tp2(files, tmp_path):
 
 
 @pytest.mark.parametrize("name, quantization", [("q4", "int4"), ("q8", "int8")])
-def test_quantization_keeps_the_files_blocks(files, name, quantization):
+def test_quantization_keeps_the_files_blocks(files, name, quantization, monkeypatch):
     """QUANT=int4 on Q4_0/Q4_1 tensors and int8 on Q8_0 ones computes the file's own weights:
     each projection's layer holds exactly the weights the fp32 load dequantizes (a second
     rounding would move them), the tied output the embedding's Q8_0; and at rows that the fp32
-    kernels take (below BF16_ROWS), the logits are the fp32 model's but for the order of the sums."""
+    kernels take (below BF16_ROWS, x not in int8), the logits are the fp32 model's but for the
+    order of the sums."""
+    import block_quant
     from block_quant import BF16_ROWS, BlockLinear
+
+    monkeypatch.setattr(block_quant, "INT8_X", False)
 
     path = files[name][2]
     full = llama2.tp_llama(None, path, TOKENIZER, 1, max_batch_size=1, max_seq_len=32).model

@@ -266,12 +266,32 @@ def test_tp2_gives_the_greedy_tokens_of_tp1(tmp_path, mode):
     scales from whole rows (an all-reduce of the row maxima), as at TP=1; int4's groups of
     input channels lie within a shard. The logprobs differ by the bf16 rounding of the
     partial sums (up to 0.03 measured for int8)."""
-    tokens, logprobs = greedy(load_demo(mode, max_seq_len=128, max_batch_size=len(PROMPTS)))
+    llama = load_demo(mode, max_seq_len=128, max_batch_size=len(PROMPTS))
+    tokens, logprobs = greedy(llama)
     results = run("quant_worker.py", 2, tmp_path, mode, *PROMPTS)
     for r in results:
-        assert r["greedy"] == tokens
-        for ours, theirs in zip(r["logprobs"], logprobs):
-            assert ours == pytest.approx(theirs, abs=0.1)
+        for prompt, ours, want, ours_logprobs, want_logprobs in zip(PROMPTS, r["greedy"], tokens, r["logprobs"],
+                                                                     logprobs):
+            same = agreed_prefix(llama, prompt, ours, want)
+            assert ours_logprobs[:same] == pytest.approx(want_logprobs[:same], abs=NEAR_TIE)
+
+
+NEAR_TIE = 0.1  # log-probability: tokens this close may trade places when other sums round otherwise
+
+
+def agreed_prefix(llama, prompt: str, ours: list[int], want: list[int]) -> int:
+    """How many greedy tokens ours (another TP size) shares with want (llama's, here): all of
+    them, or those before a near tie, where llama's logprob of our token is within NEAR_TIE of
+    its own choice's (x in int8 blocks, as the kernels round it below BF16_ROWS rows, can tip
+    it: then the texts go their own ways and are not compared past it)."""
+    same = next((i for i, (a, b) in enumerate(zip(ours, want)) if a != b), None)
+    if same is None:
+        assert len(ours) == len(want)
+        return len(want)
+    ids = llama.tokenizer.encode(prompt, bos=True, eos=False) + want[:same]
+    logprobs = torch.log_softmax(llama.model(torch.tensor([ids]), 0)[0, -1].float(), -1)
+    assert logprobs[want[same]] - logprobs[ours[same]] < NEAR_TIE, (prompt, same, ours[same], want[same])
+    return same
 
 
 @pytest.mark.slow
@@ -279,8 +299,8 @@ def test_torchserve_with_int4_answers_as_int4_in_process(tmp_path, demo_llama):
     """handler.quantization: int4 on a TP=2 TorchServe (one server for the setting's way
     through the handler; int8 shares it and is tested at TP=2 above): greedy answers and
     their logprobs are the int4 model's in this process (logprobs within the bf16 rounding
-    of TP=2's partial sums)."""
-    body = {"prompt": PROMPTS, "temperature": 0, "max_new_tokens": N_NEW, "logprobs": True}
+    of TP=2's partial sums), up to a near tie (agreed_prefix)."""
+    body = {"prompt": PROMPTS, "temperature": 0, "max_new_tokens": N_NEW, "logprobs": True, "top_logprobs": 5}
     server = start_demo_server(tmp_path, quantization="int4", attention=NOT_FLEX)
     try:
         answers = server.generate(body)
@@ -291,8 +311,14 @@ def test_torchserve_with_int4_answers_as_int4_in_process(tmp_path, demo_llama):
     expected = int4_demo_llama.text_completion(PROMPTS, N_NEW, temperature=0, logprobs=True)
     unquantized = demo_llama.text_completion(PROMPTS, N_NEW, temperature=0, logprobs=True)
     for answer, want in zip(answers, expected):
-        assert answer["generation"] == want["generation"] and answer["tokens"] == want["tokens"]
-        assert answer["logprobs"] == pytest.approx(want["logprobs"], abs=0.1)
+        # the same tokens, or the same up to a near tie among the server's own top logprobs
+        same = next((i for i, (a, b) in enumerate(zip(answer["tokens"], want["tokens"])) if a != b), None)
+        if same is None:
+            assert answer["generation"] == want["generation"] and answer["tokens"] == want["tokens"]
+        else:
+            top = {t["token"]: t["logprob"] for t in answer["top_logprobs"][same]}
+            assert answer["logprobs"][same] - top.get(want["tokens"][same], float("-inf")) < NEAR_TIE
+        assert answer["logprobs"][:same] == pytest.approx(want["logprobs"][:same], abs=NEAR_TIE)
     # int4 answers otherwise than the unquantized model here, so a server that did not
     # quantize would fail
     assert [a["generation"] for a in expected] != [u["generation"] for u in unquantized]
