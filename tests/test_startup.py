@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 import configure
 import wait_ready
-from conftest import DEMO, ROOT
+from conftest import DEMO, ROOT, configure_line
 from local_server import Server, free_port
 from serving_config import ServingConfig
 from tokenizer import Tokenizer
@@ -111,6 +111,18 @@ def test_check_passes_what_loads(tmp_path):
     assert configure.check(configure.configure(base_config(), tp=8, device="cpu"), DEMO)  # 4 KV heads shared
     padded = hf_folder(tmp_path / "padded", vocab_size=DEMO_VOCAB + 64)  # padding rows, as some HF models have
     assert configure.check(configure.configure(base_config(), tp=8, checkpoint=padded, device="cpu"))
+
+
+def test_compiling_gives_the_worker_time_to_start(tmp_path, monkeypatch, capsys):
+    """With handler.compile (an argument, or SET as `make serve` passes it), startupTimeout is at
+    least COMPILE_STARTUP_TIMEOUT: a first compile outlasts TorchServe's 600 s; without, it stays."""
+    assert configure.configure(base_config(), device="cpu")["startupTimeout"] == 600
+    assert configure.configure(base_config(), device="cpu", handler={"compile": True})["startupTimeout"] == 1800
+    written = tmp_path / "build" / "model-config.yaml"
+    configure_line(DEMO, tmp_path, monkeypatch, capsys, "--set", "handler.compile=true")
+    assert yaml.safe_load(written.read_text())["startupTimeout"] == configure.COMPILE_STARTUP_TIMEOUT
+    configure_line(DEMO, tmp_path, monkeypatch, capsys, "--set", "handler.compile=true", "--set", "startupTimeout=3600")
+    assert yaml.safe_load(written.read_text())["startupTimeout"] == 3600
 
 
 def test_check_refuses_missing_and_unknown_folders(tmp_path):

@@ -29,6 +29,10 @@ from tp import head_ranges  # noqa: E402
 # Beyond the tokenizer's vocabulary, a checkpoint's embedding may hold this many padding rows
 # (a pad token, a size rounded up to a multiple of 64 or 128); more is another vocabulary.
 VOCAB_PADDING = 256
+# startupTimeout (s) at least, with handler.compile: a first compile, with inductor's cache empty,
+# took 10 minutes and more for SmolLM2 quantized at batchSize 8 on 2 cores, past the 600 s that
+# TorchServe then gives a worker before it kills and retries it (BENCHMARKS.md, llama.cpp section)
+COMPILE_STARTUP_TIMEOUT = 1800
 
 
 def configure(base: dict, tp: int | None = None, checkpoint: str | None = None, tokenizer: str | None = None,
@@ -50,6 +54,13 @@ def configure(base: dict, tp: int | None = None, checkpoint: str | None = None, 
         config["handler"]["tokenizer"] = os.path.abspath(tokenizer or checkpoint)
     for key, value in (handler or {}).items():
         config["handler"][key] = value
+    return with_compile_time(config)
+
+
+def with_compile_time(config: dict) -> dict:
+    """config with startupTimeout raised to COMPILE_STARTUP_TIMEOUT where the handler compiles."""
+    if config["handler"].get("compile") is True and config.get("startupTimeout", 0) < COMPILE_STARTUP_TIMEOUT:
+        config["startupTimeout"] = COMPILE_STARTUP_TIMEOUT
     return config
 
 
@@ -176,6 +187,7 @@ def main():
     try:
         for assignment in a.set:
             set_key(config, assignment)
+        with_compile_time(config)
         print(check(config, a.weights))
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         sys.exit(f"cannot serve: {e}")
