@@ -110,9 +110,9 @@ def main():
                      f"| {1e3 / r['step_ms']:.1f} |")
     for compiled in (False, True):
         r = runs[compiled, None]
-        lines += ["", f"{'Compiled' if compiled else 'Eager'} (compiled in {r['compile_s']:.0f} s): operators by "
-                  f"their own CPU time per step, of {r['ops_total_ms']:.2f} ms that the profiler saw "
-                  f"({PROFILED} steps, torch.profiler; its own overhead included).", "",
+        how = f"Compiled (compiled in {r['compile_s']:.0f} s)" if compiled else "Eager"
+        lines += ["", f"{how}: operators by their own CPU time per step, of {r['ops_total_ms']:.2f} ms that the "
+                  f"profiler saw ({PROFILED} steps, torch.profiler; its own overhead included).", "",
                   "| operator | ms per step | calls per step |", "|---|---|---|"]
         lines += [f"| `{name}` | {ms:.3f} | {count} |" for name, ms, count in r["ops"]]
     report.publish("decode_profile", "\n".join(lines), write=not a.no_write)

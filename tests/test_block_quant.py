@@ -39,6 +39,16 @@ def kernel(layer: BlockLinear, x: torch.Tensor, bf16: bool = False, int8_x: bool
     return torch.ops.block_quant.linear_q8(x, layer.qweight, layer.scales, bf16_rows, int8_x)
 
 
+def cases(bits: int, Ks, Ns, Ms):
+    """(layer, x) for each in_features K, out_features N and rows M: weight(N, K) quantized to
+    bits, x random (M, K)."""
+    for K in Ks:
+        for N in Ns:
+            layer = BlockLinear.from_weight(weight(N, K, seed=N), bits)
+            for M in Ms:
+                yield layer, torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+
+
 def int8_x_products(layer: BlockLinear, x: torch.Tensor) -> torch.Tensor:
     """What int8_x computes, by its definition (block_quant.cpp), in float64: each block of 32 of
     x rounded to int8 with d = max |x| / 127 (to nearest even, of x * (127 / max |x|) in fp32);
@@ -61,10 +71,11 @@ def int8_x_products(layer: BlockLinear, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def assert_matches_dequantized(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
-    """out == x @ w.T up to the order of fp32 sums: each error within 1e-6 of the sum of the
-    products' magnitudes (quantization errors are ~1e-2 of it, bf16 rounding ~4e-3)."""
-    ref = x.double() @ w.double().T
+def assert_matches_dequantized(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor | None = None):
+    """out == ref (default x @ w.T) up to the order of fp32 sums: each error within 1e-6 of the
+    sum of the products' magnitudes, |x| @ |w|.T (quantization errors are ~1e-2 of it, bf16
+    rounding ~4e-3)."""
+    ref = x.double() @ w.double().T if ref is None else ref
     scale = x.double().abs() @ w.double().abs().T
     err = ((out.double() - ref).abs() / scale.clamp(min=1e-30)).max().item()
     assert err < 1e-6, err
@@ -91,17 +102,10 @@ def test_kernels_with_int8_x_compute_int8_products(bits):
     block_quant.load()
     if not torch.ops.block_quant.vnni():
         pytest.skip("int8_x takes AVX512-VNNI")
-    for K in (64, 96, 576, 1056):
-        for N in (1, 7, 37):
-            layer = BlockLinear.from_weight(weight(N, K, seed=N), bits)
-            for M in (1, 2, 3, 4, 5, 6, 7, 8, 9):
-                x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
-                x[0, :32] = 0
-                x[-1, -32:] *= 1e4
-                out = kernel(layer, x, int8_x=True).double()
-                scale = x.double().abs() @ layer.dequantize().double().abs().T
-                err = ((out - int8_x_products(layer, x)).abs() / scale.clamp(min=1e-30)).max().item()
-                assert err < 1e-6, (K, N, M, err)
+    for layer, x in cases(bits, (64, 96, 576, 1056), (1, 7, 37), range(1, 10)):
+        x[0, :32] = 0
+        x[-1, -32:] *= 1e4
+        assert_matches_dequantized(kernel(layer, x, int8_x=True), x, layer.dequantize(), int8_x_products(layer, x))
     assert not torch.equal(kernel(layer, x, int8_x=True), kernel(layer, x))
 
 
@@ -113,14 +117,10 @@ def test_kernels_in_bf16_compute_the_dequantized_weights_in_bf16(bits):
     block_quant.load()
     if not torch.ops.block_quant.amx():
         pytest.skip("computing in bf16 takes AMX (a CPU with amx_bf16, and the OS's leave)")
-    for K in (64, 96, 288, 1056):
-        for N in (1, 17, 40):
-            layer = BlockLinear.from_weight(weight(N, K, seed=N), bits)
-            w = layer.dequantize(torch.bfloat16).float()
-            for M in (1, 2, 7, 16):
-                x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
-                assert_matches_dequantized(kernel(layer, x, bf16=True), x.bfloat16().float(), w)
-    x = torch.randn(17, K)
+    for layer, x in cases(bits, (64, 96, 288, 1056), (1, 17, 40), (1, 2, 7, 16)):
+        w = layer.dequantize(torch.bfloat16).float()
+        assert_matches_dequantized(kernel(layer, x, bf16=True), x.bfloat16().float(), w)
+    x = torch.randn(17, layer.in_features)
     assert torch.equal(kernel(layer, x, bf16=True), kernel(layer, x))
 
 
