@@ -88,13 +88,18 @@ def test_opted_out_and_large_batches_do_not_speculate(llama):
 @pytest.mark.slow
 def test_tp2_speculation_matches_tp1(llama, plain, draft, tmp_path):
     """At TP=2 (the draft sharded as the model is) both ranks give TP=1's tokens, with and
-    without speculation."""
+    without speculation. Prompt lookup proposes from the tokens alone: as many accepted. The
+    int8 draft rounds x to int8 blocks (block_quant's int8_x), so another TP size may tip a
+    near tie among its own proposals: within 3 % as many accepted (137 against 139 seen)."""
     ranks = run("engine_worker.py", 2, tmp_path, DEMO, "speculative")
     for method, proposer in (("ngram", NgramProposer()), ("draft", DraftProposer(draft))):
         tp1 = speculated(llama, proposer)
         for rank in ranks:
             assert rank[method]["tokens"] == tp1["tokens"] == plain[True]["tokens"], method
-            assert rank[method]["accepted"] == tp1["accepted"], method
+            if method == "ngram":
+                assert rank[method]["accepted"] == tp1["accepted"]
+            else:
+                assert abs(rank[method]["accepted"] - tp1["accepted"]) <= 0.03 * tp1["accepted"]
 
 
 def seeded_among(llama, proposer, others: int) -> tuple[list[int], int]:
