@@ -3,8 +3,9 @@ loads it (loading.load, TP=1), answering greedy chats (test_combinations.py).
 
     combination_worker.py CHECKPOINT QUANT ATTENTION COMPILE
 
-Prints a JSON line: {"tokens": [each answer's tokens], "flex_steps": the steps that attended
-with FlexAttention}.
+Prints a JSON line: {"tokens": [each answer's tokens], "gaps": [each answer's logprob margin
+of its token over the next most probable, at each position], "flex_steps": the steps that
+attended with FlexAttention}.
 """
 
 import json
@@ -36,10 +37,12 @@ def main():
     build = FlexAttention.build.__func__
     FlexAttention.build = classmethod(lambda cls, *args: flex_steps.append(1) or build(cls, *args))
     seqs = [engine.add(chat_format.encode_dialog(engine.tokenizer, [{"role": "user", "content": q}]),
-                       SamplingParams(max_gen_len=NEW_TOKENS, temperature=0)) for q in QUESTIONS]
+                       SamplingParams(max_gen_len=NEW_TOKENS, temperature=0, logprobs=True, top_logprobs=2))
+            for q in QUESTIONS]
     while engine.running:
         engine.step()
-    print(json.dumps({"tokens": [s.tokens for s in seqs], "flex_steps": len(flex_steps)}))
+    gaps = [[top[0][1] - top[1][1] for top in s.top_logprobs[:len(s.tokens)]] for s in seqs]
+    print(json.dumps({"tokens": [s.tokens for s in seqs], "gaps": gaps, "flex_steps": len(flex_steps)}))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Every combination of the settings that change how a worker computes: QUANT (none, int8,
 int4) x handler.compile x handler.attention (auto, flex, sdpa), for SmolLM2 (its Q4_1 file,
 make smollm2) and the demo checkpoint, each loaded as a worker loads it (loading.load, TP=1,
-tests/combination_worker.py): a compiled worker gives the eager worker's greedy tokens, and
-unquantized, every attention gives the same tokens (quantized, their rounding may part them at a
-near tie: seen with SmolLM2 int8, flex against sdpa). `make test-combinations` runs them (36
+tests/combination_worker.py): a compiled worker gives the eager worker's greedy tokens (quantized,
+up to a near tie: the kernels round x to int8 blocks, which can turn the compiled graph's last-bit
+differences into a tie's tipping), and unquantized, every attention gives the same tokens
+(quantized, their rounding may part them at a near tie: seen with SmolLM2 int8, flex against sdpa). `make test-combinations` runs them (36
 workers, half of them compiling: up to 8 minutes each for SmolLM2 with an empty inductor cache);
 `make test` leaves them out."""
 
@@ -23,16 +24,20 @@ QUANTS = ("none", "int8", "int4")
 ATTENTIONS = ("auto", "flex", "sdpa")
 
 
-def answers(model: str, quant: str, attention: str, compiled: bool) -> list[list[int]]:
-    """The greedy tokens of a worker loaded with these settings, whose attention is the one asked
-    for: sdpa never attends with FlexAttention, flex and auto do (auto for the long prompts)."""
+NEAR_TIE = 0.1  # log-probability: tokens this close may trade places when other sums round otherwise
+
+
+def answers(model: str, quant: str, attention: str, compiled: bool) -> dict:
+    """The greedy tokens (and their margins, "gaps") of a worker loaded with these settings, whose
+    attention is the one asked for: sdpa never attends with FlexAttention, flex and auto do
+    (auto for the long prompts)."""
     done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "combination_worker.py"), CHECKPOINTS[model],
                            quant, attention, str(compiled).lower()], capture_output=True, text=True, timeout=1200,
                           env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.splitlines()[-1])
     assert (out["flex_steps"] > 0) == (attention != "sdpa"), out["flex_steps"]
-    return out["tokens"]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +45,7 @@ def eager():
     """The eager workers' tokens, each combination's made once, when a test first asks."""
     made = {}
 
-    def tokens(model: str, quant: str, attention: str) -> list[list[int]]:
+    def tokens(model: str, quant: str, attention: str) -> dict:
         if (model, quant, attention) not in made:
             made[model, quant, attention] = answers(model, quant, attention, False)
         return made[model, quant, attention]
@@ -51,9 +56,16 @@ def eager():
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("model", list(CHECKPOINTS))
 def test_compiled_answers_as_eager(eager, model, quant, attention):
-    assert answers(model, quant, attention, True) == eager(model, quant, attention)
+    compiled, want = answers(model, quant, attention, True), eager(model, quant, attention)
+    if quant == "none":
+        assert compiled["tokens"] == want["tokens"]
+        return
+    for ours, theirs, gaps in zip(compiled["tokens"], want["tokens"], want["gaps"]):
+        parted = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        assert ours == theirs if parted is None else gaps[parted] < NEAR_TIE, (parted, ours, theirs)
 
 
 @pytest.mark.parametrize("model", list(CHECKPOINTS))
 def test_every_attention_answers_alike_unquantized(eager, model):
-    assert eager(model, "none", "flex") == eager(model, "none", "sdpa") == eager(model, "none", "auto")
+    assert eager(model, "none", "flex")["tokens"] == eager(model, "none", "sdpa")["tokens"] \
+        == eager(model, "none", "auto")["tokens"]
