@@ -279,7 +279,9 @@ constexpr int64_t PAIR = 2 * BLOCK;  // x's int8 per block pair (a vector)
 struct XInt8 {  // x (M, K) quantized, each row padded to whole block pairs
   int64_t pairs;            // block pairs per row
   std::vector<int8_t> q;    // (M, pairs, 64), in the weights' order within a pair (pair_x)
-  std::vector<float> d, s;  // (M, 2 * pairs + CHUNK): each block's scale and x's sum over it
+  std::vector<float> d, s;  // (M, stride()): each block's scale and x's sum over it
+  // d and s are read a chunk (16 blocks) at a time: zeros past a row's blocks
+  int64_t stride() const { return 2 * pairs + CHUNK; }
 };
 
 // The 32 lanes of a vpdpbusd sum are 16 lanes of 4 products; this lays a pair of x's blocks a and
@@ -316,9 +318,10 @@ inline void quantize_block(const float* p, int8_t* q, float& d, float& s) {
 
 template <class F>
 XInt8 quantize_x(const float* x, int64_t M, int64_t K) {
-  int64_t blocks = K / BLOCK, pairs = (blocks + 1) / 2, stride = 2 * pairs + CHUNK;
-  // d and s are read a chunk (16 blocks) at a time: zeros past a row's blocks
-  XInt8 xq{pairs, std::vector<int8_t>(M * pairs * PAIR), std::vector<float>(M * stride), std::vector<float>(M * stride)};
+  int64_t blocks = K / BLOCK, pairs = (blocks + 1) / 2;
+  XInt8 xq{pairs, std::vector<int8_t>(M * pairs * PAIR)};
+  int64_t stride = xq.stride();
+  xq.d.resize(M * stride), xq.s.resize(M * stride);
   for (int64_t m = 0; m < M; m++) {
     alignas(64) int8_t qa[BLOCK], qb[BLOCK];
     for (int64_t p = 0; p < pairs; p++) {
@@ -354,7 +357,7 @@ __attribute__((noinline)) void tile(const XInt8& x, const Weight<F>& w, int64_t 
                                     int64_t N) {
   const typename F::Packed* q[C];
   for (int c = 0; c < C; c++) q[c] = w.row(n + c);
-  int64_t stride = 2 * x.pairs + CHUNK;
+  int64_t stride = x.stride();
   const int8_t* xr[R];
   for (int r = 0; r < R; r++) xr[r] = x.q.data() + (m + r) * x.pairs * PAIR;
   const __m512i lanes = pair_lanes<F>(), zero = _mm512_setzero_si512();

@@ -21,7 +21,7 @@ import generate
 import llama2
 import quant
 from block_quant import BlockLinear
-from conftest import DEMO, NOT_FLEX, SERVER_MAX_SEQ_LEN, SERVER_SLOTS, start_demo_server
+from conftest import DEMO, NOT_FLEX, SERVER_MAX_SEQ_LEN, SERVER_SLOTS, parting, start_demo_server
 from torchrun import run
 
 HELD_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "devils_dictionary.txt")
@@ -284,7 +284,7 @@ def agreed_prefix(llama, prompt: str, ours: list[int], want: list[int]) -> int:
     them, or those before a near tie, where llama's logprob of our token is within NEAR_TIE of
     its own choice's (x in int8 blocks, as the kernels round it below BF16_ROWS rows, can tip
     it: then the texts go their own ways and are not compared past it)."""
-    same = next((i for i, (a, b) in enumerate(zip(ours, want)) if a != b), None)
+    same = parting(ours, want)
     if same is None:
         assert len(ours) == len(want)
         return len(want)
@@ -312,7 +312,7 @@ def test_torchserve_with_int4_answers_as_int4_in_process(tmp_path, demo_llama):
     unquantized = demo_llama.text_completion(PROMPTS, N_NEW, temperature=0, logprobs=True)
     for answer, want in zip(answers, expected):
         # the same tokens, or the same up to a near tie among the server's own top logprobs
-        same = next((i for i, (a, b) in enumerate(zip(answer["tokens"], want["tokens"])) if a != b), None)
+        same = parting(answer["tokens"], want["tokens"])
         if same is None:
             assert answer["generation"] == want["generation"] and answer["tokens"] == want["tokens"]
         else:
