@@ -2,8 +2,7 @@
 int4) x handler.compile x handler.attention (auto, flex, sdpa), for SmolLM2 (its Q4_1 file,
 make smollm2) and the demo checkpoint, each loaded as a worker loads it (loading.load, TP=1,
 tests/combination_worker.py): a compiled worker gives the eager worker's greedy tokens (quantized,
-up to a near tie: the kernels round x to int8 blocks, which can turn the compiled graph's last-bit
-differences into a tie's tipping), and unquantized, every attention gives the same tokens
+up to a near tie: see NEAR_TIE), and unquantized, every attention gives the same tokens
 (quantized, their rounding may part them at a near tie: seen with SmolLM2 int8, flex against sdpa). `make test-combinations` runs them (36
 workers, half of them compiling: up to 8 minutes each for SmolLM2 with an empty inductor cache);
 `make test` leaves them out."""
@@ -24,7 +23,14 @@ QUANTS = ("none", "int8", "int4")
 ATTENTIONS = ("auto", "flex", "sdpa")
 
 
-NEAR_TIE = 0.1  # log-probability: tokens this close may trade places when other sums round otherwise
+# Quantized, the kernels round x to int8 blocks (block_quant.INT8_X, where there is VNNI): a
+# last-bit difference between the compiled graph's sums and eager's tips a value over a rounding
+# boundary now and then, and each flipped level moves the layers after it as int8 rounding itself
+# does. Before the answers parted, SmolLM2's margins moved by up to 0.98 (int4) and 0.51 (int8),
+# the first parting tokens had margins of 0.05-0.15, and with INT8_X off the margins agreed within
+# 1e-5 (2026-12-06). So a parting is allowed where eager's margin is under NEAR_TIE: about 1 in 9
+# of SmolLM2's positions; a compiled path that computed something else parts at a confident token.
+NEAR_TIE = 0.5
 
 
 def answers(model: str, quant: str, attention: str, compiled: bool) -> dict:
