@@ -158,7 +158,7 @@ class ModelRunner:
             options.setdefault("mode", "reduce-overhead")
         else:  # (torch.compile takes a mode or options, not both)
             # No guards on the model's modules: nothing replaces a weight, cache or attribute
-            # after this, and checking them cost ~0.8 of SmolLM2's 8.5 ms one-row step
+            # after this, and checking them took 0.64 ms of a one-row SmolLM2 step (0.07 without)
             options.setdefault("options", {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                                            "cpp_wrapper": cpp_wrapper and self.device.type == "cpu"})
         for layer in self.model.layers:  # only the activations' sizes vary, not the caches'

@@ -135,13 +135,13 @@ SERVER_SLOTS = 4
 # handler.attention of the servers whose tests are about something else: auto compiles
 # FlexAttention's kernel as each rank loads (3-10 s here, both cores), which the shared server,
 # make serve's (test_startup.py) and test_attention.py's show
+NOT_FLEX = "sdpa"
+SERVER_MAX_SEQ_LEN = 512
+
+
 def parting(ours: list, theirs: list) -> int | None:
     """The first position where two token lists differ, None where one is a prefix of the other."""
     return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-
-
-NOT_FLEX = "sdpa"
-SERVER_MAX_SEQ_LEN = 512
 
 
 def start_demo_server(workdir, env: dict | None = None, faults: bool = False, **handler):
