@@ -14,7 +14,7 @@ from attention import GatherAttention
 from batch import Batch
 from block_quant import BlockLinear
 from conftest import DEMO, TOKENIZER, start_demo_server
-from engine_worker import FLEX_CONFIGS, preempted, workload
+from engine_worker import FLEX_CONFIGS, FLEX_MAX_SEQ_LEN, preempted, workload
 from flex_attention import FlexAttention
 from runner import FLEX_FROM_TOKENS
 from torchrun import run
@@ -44,10 +44,16 @@ def steps(num_blocks: int, block_size: int, vocab: int) -> list[Batch]:
     return batches
 
 
+@pytest.fixture(scope="module")
+def demo():
+    """DEMO (GQA) on the pool of this module's flex runs at TP=2 and its TorchServe's, one
+    runner for the tests below: flex's graphs compile once."""
+    return llama2.tp_llama(None, DEMO, None, 1, max_batch_size=4, max_seq_len=FLEX_MAX_SEQ_LEN, attention="sdpa")
+
+
 @pytest.mark.slow  # torch.compile (flex)
-def test_flex_gives_the_gathered_logits(checkpoints):
-    runner = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1, max_batch_size=4,
-                             max_seq_len=512, attention="sdpa").runner
+def test_flex_gives_the_gathered_logits(demo):
+    runner = demo.runner
     logits = {}
     for backend in ("sdpa", "flex"):
         runner.attention = backend
@@ -56,6 +62,7 @@ def test_flex_gives_the_gathered_logits(checkpoints):
                                                                    runner.vocab_size)]
     for i, (a, b) in enumerate(zip(logits["sdpa"], logits["flex"])):
         assert a.shape == b.shape and max_diff(a, b) <= 1e-4, f"pass {i}"
+    runner.attention = "sdpa"
 
 
 def test_auto_picks_flex_for_steps_that_gather_many_tokens(checkpoints):
@@ -86,11 +93,6 @@ def test_auto_picks_flex_for_steps_that_gather_many_tokens(checkpoints):
     runner.allocate(num_blocks=FLEX_FROM_TOKENS // size - 1)
     assert not runner.may_use_flex()
     assert picked(4, FLEX_FROM_TOKENS // 4) is GatherAttention
-
-
-@pytest.fixture(scope="module")
-def demo():
-    return llama2.tp_llama(None, DEMO, None, 1, max_batch_size=4, max_seq_len=256, attention="sdpa")
 
 
 @pytest.fixture(scope="module")
