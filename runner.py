@@ -184,18 +184,29 @@ class ModelRunner:
     def warm_up(self):
         """A prefill (eager), then compiled decode steps of each kind, with each backend that
         auto may pick, flex first: its first graph compiled for several rows after sdpa's,
-        inductor's CPU flex template failed to compile (torch 2.13); cache rows 0 and 1 get junk."""
-        rows = min(2, self.max_batch_size, self.num_blocks // self.row_blocks)  # a small cache may hold one
+        inductor's CPU flex template failed to compile (torch 2.13). The rows take the pool's
+        first blocks (they get junk), two each: a cache that holds one max_seq_len still
+        compiles the several-rows graph, which a first step of two sequences compiled instead
+        (15 s of DEMO's first request here, holding every stream)."""
         length = min(self.block_size + 2, self.max_seq_len - 1)
-        tokens = torch.zeros(rows, length, dtype=torch.long, device=self.device)
+        per_row = -(-(length + 1) // self.block_size)
+        rows = min(2, self.max_batch_size, self.num_blocks // per_row)
+        tables = [list(range(row * per_row, (row + 1) * per_row)) for row in range(rows)]
+
+        def step(*parts):  # (row, tokens, position of the first, decode) each
+            batch = Batch(tokens=[], positions=[], slots=[])
+            for row, n, start, decode in parts:
+                batch.add([0] * n, start, tables[row], self.block_size, decode=decode)
+            self.forward_batch(batch)
+
         chosen = self.attention
         for self.attention in ("flex", "sdpa") if chosen == "auto" and self.flex_may_pay() else (chosen,):
-            self(tokens, 0)
-            self(tokens[:1, :2], length - 2)  # a chunk after cached tokens
+            step(*[(row, length, 0, False) for row in range(rows)])
+            step((0, 2, length - 2, False))  # a chunk after cached tokens
             for pos in (1, length):
-                self(tokens[:1, :1], pos)
+                step((0, 1, pos, True))
                 if rows > 1:
-                    self(tokens[:, :1], [pos, pos - 1])
+                    step((0, 1, pos, True), (1, 1, pos - 1, True))
         self.attention = chosen
 
     @torch.inference_mode()

@@ -300,10 +300,12 @@ def test_tp2_ranks_decide_alike_and_match_tp1(results, tmp_path):
 def test_compiled_engine_never_recompiles(checkpoints, monkeypatch):
     """compile_decode's graphs serve the engine's decode steps, whatever the number of
     sequences and blocks; prefill chunks run eager. Outputs equal the eager engine's. With
-    inductor's C++ wrapper, as the server compiles them (loading.py)."""
+    inductor's C++ wrapper, as the server compiles them (loading.py). The KV cache holds one
+    max_seq_len and a half: its first step of several rows compiled in the engine."""
     # a 2-layer model (the demo's tokenizer): dynamo traces every layer of each graph, and
     # the graphs' kinds and shapes do not depend on the depth
     llama = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1, max_batch_size=4, max_seq_len=256)
+    llama.runner.allocate(num_blocks=llama.runner.row_blocks * 3 // 2)
     eager = workload(llama, True, 16)
     asked, real_compile = [], torch.compile
     monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: asked.append(kwargs) or real_compile(*args, **kwargs))
