@@ -7,7 +7,7 @@ whose steps must wait for their tokens on the host, at TP 1 and 2."""
 import pytest
 
 import llama2
-from conftest import DEMO
+from conftest import DEMO, TOKENIZER
 from engine import Engine
 from engine_worker import ASYNC_CONFIGS, mixed, workload
 from generate import generate
@@ -108,13 +108,14 @@ def test_tp2_ranks_agree_and_give_tp1s_tokens(synchronous, tmp_path):
 
 
 @pytest.mark.slow  # torch.compile
-def test_carried_tokens_reach_the_cuda_graph_steps():
+def test_carried_tokens_reach_the_cuda_graph_steps(checkpoints):
     """The padded decode steps that CUDA graphs replay (compile_decode(cuda_graphs=True), run
     compiled on the CPU) take the carried tokens too: the same tokens as without."""
     import torch
 
     torch._dynamo.reset()  # one compiled model per process (runner.compile_decode)
-    graphs = llama2.tp_llama(None, DEMO, None, 1, max_batch_size=4, max_seq_len=256)
+    # a 2-layer model (the demo's tokenizer): dynamo traces every layer of each graph
+    graphs = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1, max_batch_size=4, max_seq_len=256)
     try:
         graphs.runner.compile_decode(cuda_graphs=True)
         for config in ASYNC_CONFIGS:
