@@ -82,10 +82,14 @@ def main():
 
     out_dir, folder = sys.argv[1], sys.argv[2]
     world_size = int(os.environ["WORLD_SIZE"])
-    llama = llama2.tp_llama(None, folder, None, world_size)  # the folder's own tokenizer
+    compiled = "--compile" in sys.argv
+    # compiled with sdpa, as test_model.py's: these contexts never reach auto's flex, whose
+    # graphs compile_decode would compile too (on a pool this size) and no step here runs
+    llama = llama2.tp_llama(None, folder, None, world_size,  # the folder's own tokenizer
+                            attention="sdpa" if compiled else "auto")
     rank = dist.get_rank() if world_size > 1 else 0
     runner = llama.runner
-    if "--compile" in sys.argv:
+    if compiled:
         runner.compile_decode()
     result = run_model(runner, fixed_tokens(runner.vocab_size))
     layer = llama.model.layers[0]
