@@ -47,7 +47,11 @@ KERNEL_MAX_ROWS = 16
 #     8   10.42 / 8.51     9.45 / 10.44   2.58 / 2.50
 #    10                   12.75 / 11.35
 #    12   15.55 / 10.22   14.24 / 11.11   4.13 / 2.89
-BF16_ROWS = {4: 8, 8: 10}
+# Against x in int8 blocks (int8_x, below), which takes the rows under BF16_ROWS (three runs,
+# 2026-12-06 11:30 UTC, ms, int8_x / bf16): 30 layers' q4 at 7 rows 10.56 / 9.84, 12.80 / 11.39,
+# 11.02 / 10.05 (at 6 even); the q8 head at 8 rows 3.14 / 2.55, 3.93 / 3.89, 3.22 / 2.58, with
+# the q8 layers even there (13.55 / 13.55, 17.15 / 17.03, 13.22 / 13.49) and int8_x's at 7.
+BF16_ROWS = {4: 7, 8: 8}
 # x in int8 blocks below BF16_ROWS (where there is VNNI): a decode step's projections at batch 1,
 # SmolLM2 (`python bench/block_quant.py --step`, 2 threads, ms, fp32 / int8): 30 layers in q4
 # 5.34 / 4.34, in q8 7.96 / 6.53, the q8 head 1.79 / 1.41; the same at 4 and 8 rows.

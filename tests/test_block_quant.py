@@ -226,11 +226,11 @@ def test_forward_shapes_dtypes_and_the_bf16_path(bits, monkeypatch):
     w = layer.dequantize()
     first = block_quant.BF16_ROWS[bits]
     for rows in (first - 2, first, block_quant.KERNEL_MAX_ROWS):
-        few = torch.randn(2, rows // 2, 256)
+        few = torch.randn(1, rows, 256)
         bf16 = torch.ops.block_quant.amx() and rows >= first
         int8_x = block_quant.INT8_X and rows < first
         out = layer(few)
-        assert out.shape == (2, rows // 2, 40) and out.dtype == torch.float32
+        assert out.shape == (1, rows, 40) and out.dtype == torch.float32
         assert torch.equal(out, kernel(layer, few.view(-1, 256), bf16, int8_x).view(out.shape))
         out = layer(few.bfloat16())
         assert out.dtype == torch.bfloat16
