@@ -19,7 +19,8 @@
 // exact (an 11-bit by at most 8-bit product): the kernels multiply x by the very weights
 // dequantize returns, and only the order of the fp32 sums differs from x @ dequantize().T.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

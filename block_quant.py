@@ -16,9 +16,7 @@ The ops (torch.ops.block_quant.*) are built on first use by torch.utils.cpp_exte
 across processes in TORCH_EXTENSIONS_DIR, and have fake implementations for torch.compile.
 """
 
-import hashlib
 import os
-import shutil
 import threading
 
 import numpy as np
@@ -26,8 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import cpp_ops
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "block_quant.cpp")
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: at::parallel_for is inline, OpenMP pragmas (torch's libgomp at run time)
+CFLAGS = list(cpp_ops.CFLAGS)
 BLOCK = 32  # weights per block (and its scale)
 # Rows of x up to which forward() runs the kernels; above, dequantizing to bf16 and F.linear
 # (oneDNN, AMX) is faster. bench/block_quant.py on an idle machine, median µs,
@@ -70,38 +70,15 @@ _loaded = False
 
 
 def load():
-    """Build block_quant.cpp (once per source: torch caches the build in TORCH_EXTENSIONS_DIR, and
-    its lock file lets one process build while the others wait) and load its ops, with their
-    fake implementations. ValueError when the machine lacks what building takes."""
+    """Build block_quant.cpp (cpp_ops.build: once, cached across processes) and load its ops,
+    with their fake implementations. ValueError when the machine lacks what building takes."""
     global _loaded
     with _lock:
         if _loaded:
             return
-        from torch.utils.cpp_extension import is_ninja_available, load as build
-
-        compiler = os.environ.get("CXX", "c++")
-        if shutil.which(compiler) is None:
-            raise ValueError(f"the block-quantized layers' CPU kernels (block_quant.cpp) are built on first use "
-                             f"and need a C++ compiler: {compiler!r} is not on PATH (install g++, or set CXX)")
-        if not is_ninja_available():
-            raise ValueError("the block-quantized layers' CPU kernels (block_quant.cpp) are built on first use "
-                             "and need ninja: pip install ninja==1.13.2 (requirements.txt)")
-        with open(SOURCE, "rb") as f:
-            # a name per source and CPU (-march=native): builds of other versions (other checkouts),
-            # or from another machine sharing the cache, never overwrite nor stand in for this one
-            digest = hashlib.sha256(f.read() + repr(CFLAGS).encode() + cpu_flags()).hexdigest()[:12]
-        build(name=f"block_quant_{digest}", sources=[SOURCE], extra_cflags=CFLAGS, is_python_module=False)
+        cpp_ops.build(SOURCE, "the block-quantized layers' CPU kernels", CFLAGS)
         register_fakes()
         _loaded = True
-
-
-def cpu_flags() -> bytes:
-    """The instruction sets /proc/cpuinfo lists (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith(b"flags")), b"")
-    except OSError:
-        return b""
 
 
 def register_fakes():

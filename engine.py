@@ -28,7 +28,7 @@ import structured
 from ahead import Ahead, may_run_ahead, runs_ahead, sample_ahead
 from batch import Batch
 from kv_cache import BlockPool
-from sampler import adjust_logits, sample, token_logprobs
+from sampler import adjust_logits, load_race, sample, token_logprobs
 from scheduler import Scheduler, Work
 from sequence import GOES_ON, SamplingParams, Sequence
 from speculative import Speculation
@@ -55,6 +55,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_seqs or runner.max_batch_size, max_batched_tokens)
         self.ids = itertools.count()
         self.speculation = speculation
+        if self.device.type == "cpu":
+            load_race()  # built now (once, cached across processes), not in the first sampled request
         # The model runs on a thread of the engine's own (start, wait), so that a server's
         # round trip overlaps the steps; torch captures and replays CUDA graphs per thread,
         # so compiling happens there too, and the thread works on this rank's GPU. On a

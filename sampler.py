@@ -2,9 +2,15 @@
 penalties, a grammar's mask and min_tokens (adjust_logits), then greedy or a draw after
 temperature, top-k and top-p (sample), and the logprobs of the raw logits."""
 
+import ctypes
+import logging
+import os
+import threading
+
 import torch
 import torch.nn.functional as F
 
+import cpp_ops
 from batch import to_device
 from sequence import Sequence
 from structured import apply_bitmask
@@ -17,6 +23,42 @@ CANDIDATES, NUCLEUS = 64, 1024
 CDF_CHUNK = 512  # tokens whose mass is summed at once in inverse_cdf
 TOPK_BLOCK = 128  # tokens per block in top_n's first pass
 MASK32 = 0xFFFFFFFF
+RACE_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "race.cpp")
+
+_race_lock = threading.Lock()
+_race: ctypes.CDLL | None = None  # race.cpp, once loaded
+_race_tried = False
+
+
+def load_race() -> bool:
+    """Whether race.cpp (the first look of a draw, on the CPU) is loaded: built on the first
+    call (cpp_ops.build), else logged once and left to torch's operators."""
+    global _race, _race_tried
+    with _race_lock:
+        if not _race_tried:
+            _race_tried = True
+            try:
+                _race = ctypes.CDLL(cpp_ops.build(RACE_SOURCE, "the sampler's CPU code"))
+                _race.among_candidates.restype = None
+                _race.among_candidates.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                                   ctypes.c_void_p, ctypes.c_void_p]
+            except ValueError as e:
+                logging.getLogger(__name__).warning("sampling with torch's operators: %s", e)
+        return _race is not None
+
+
+def race_candidates(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, keys: torch.Tensor,
+                    n: int = CANDIDATES) -> tuple[torch.Tensor, torch.Tensor]:
+    """among_candidates by race.cpp (CPU tensors; load_race() first): each row's drawn token
+    and whether its set lies among its n most probable tokens."""
+    scaled = scaled.float().contiguous()
+    args = [t.contiguous() for t in (top_k.long(), top_p.float(), keys.long())]
+    drawn = torch.empty(len(scaled), dtype=torch.long)
+    found = torch.empty(len(scaled), dtype=torch.bool)
+    _race.among_candidates(scaled.data_ptr(), len(scaled), scaled.shape[-1], args[0].data_ptr(), args[1].data_ptr(),
+                           args[2].data_ptr(), min(n, scaled.shape[-1]), drawn.data_ptr(), found.data_ptr())
+    return drawn, found
 
 
 def nucleus(probs: torch.Tensor, p) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,9 +170,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     probability that trade places under rounding (in another batch, at another TP size)
     change neither the set nor the winner; the set is looked for among the CANDIDATES most
     probable tokens, then the NUCLEUS most probable, and among all where it reaches past
-    them, with the same draws. A row with top_p 1 and no top_k, whose set is the whole
-    vocabulary whatever the logits, draws by inverting its distribution's CDF instead (one
-    pass, where a race hashes every id: 0.7 ms a row here). A row costs its generator one
+    them, with the same draws (on the CPU, the first look is race.cpp's op: one pass over the
+    vocabulary instead of a hundred small operators). A row with top_p 1 and no top_k, whose
+    set is the whole vocabulary whatever the logits, draws by inverting its distribution's
+    CDF instead (one pass, where a race hashes every id: 0.7 ms a row here). A row costs its generator one
     key whatever else the step holds: a proposed token (speculative decoding) stands when
     the draw gives it."""
     device = logits.device
@@ -152,9 +195,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     # at once (its set is every token of probability above 0)
     looks = [p.top_p < 1 or 0 < p.top_k < scaled.shape[-1] for p in params]
     left = [j for j, look in enumerate(looks) if look]
+    sizes = (CANDIDATES, NUCLEUS)
+    if left and device.type == "cpu" and load_race():  # the first look in one op (race.cpp)
+        some = to_device(left, device)
+        some_drawn, found = race_candidates(rows_of(scaled, left), top_k[some], top_p[some], keys[some])
+        drawn[some] = some_drawn
+        left, sizes = [j for j, inside in zip(left, found.tolist()) if not inside], (NUCLEUS,)
     if left:  # the log of each row's total mass, for the candidates' probabilities
         lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
-    for n in (CANDIDATES, NUCLEUS):
+    for n in sizes:
         if not left:
             break
         some = to_device(left, device)

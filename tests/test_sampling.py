@@ -333,3 +333,52 @@ def test_top_n_finds_what_topk_finds():
         assert torch.equal(values, want)
         assert torch.equal(rows.gather(-1, ids), values)
         assert all(len(set(r)) == n for r in ids.tolist())
+
+
+def cpu_op_cases():
+    """Rows for race.cpp against among_candidates: flat to peaked, mostly masked (-inf, as a
+    grammar leaves them), with ties across blocks; SmolLM2's vocabulary, one that is not whole
+    blocks, and one of fewer blocks than CANDIDATES; top_k and top_p of every kind."""
+    gen = torch.Generator().manual_seed(5)
+    for vocab in (49152, 49152 + 7, 1000):
+        rows = torch.randn(32, vocab, generator=gen) * torch.linspace(0.2, 8, 32)[:, None]
+        masked = torch.rand(4, vocab, generator=gen) > 0.001
+        masked[:, 7] = False  # a token or more left to each row, as adjust_logits leaves
+        rows[:4] = rows[:4].masked_fill(masked, float("-inf"))
+        rows[4] = torch.randint(0, 3, (vocab,), generator=gen).float()
+        top_k = torch.tensor([0, 1, 5, 40, 64, 65, 100, 0] * 4)
+        top_p = torch.tensor([0.9, 0.5, 1.0, 0.95, 0.99, 0.3, 0.9, 0.7] * 4)[torch.randperm(32, generator=gen)][:, None]
+        yield rows, top_k, top_p, torch.randint(0, 2**32, (32, 2), generator=gen)
+
+
+def test_the_cpu_op_draws_what_torch_draws():
+    """race.cpp (the CPU's first look) finds the same rows' sets within the
+    candidates and draws the same tokens as sampler.among_candidates in torch (the CUDA path)."""
+    if not sampler.load_race():
+        pytest.skip("race.cpp is built on first use and needs a C++ compiler")
+    for scaled, top_k, top_p, keys in cpu_op_cases():
+        drawn = torch.empty(len(scaled), dtype=torch.long)
+        lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+        found = sampler.among_candidates(scaled, top_k, top_p, keys, drawn, lse)
+        op_drawn, op_found = sampler.race_candidates(scaled, top_k, top_p, keys)
+        assert torch.equal(op_found, found) and torch.equal(op_drawn[found], drawn[found])
+        assert 0 < int(found.sum()) < len(found)
+
+
+def test_sample_draws_alike_with_and_without_the_cpu_op(monkeypatch):
+    """sample() over a batch of greedy, top-p, top-k and whole-vocabulary rows gives the same
+    tokens with race.cpp as with torch's operators alone."""
+    if not sampler.load_race():
+        pytest.skip("race.cpp is built on first use and needs a C++ compiler")
+    settings = [(0.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 1.0, 0), (0.5, 0.95, 40), (1.3, 0.5, 0), (0.9, 1.0, 100)]
+    for logits, *_ in cpu_op_cases():
+        def draw():
+            seqs = [sequence.Sequence([1], sequence.SamplingParams(1, temperature=t, top_p=p, top_k=k, seed=i), i,
+                                      torch.Generator().manual_seed(i))
+                    for i, (t, p, k) in enumerate(settings * (len(logits) // len(settings)))]
+            return sampler.sample(logits[:len(seqs)], seqs)
+        with_op = draw()
+        race = sampler._race
+        monkeypatch.setattr(sampler, "_race", None)
+        assert torch.equal(draw(), with_op)
+        monkeypatch.setattr(sampler, "_race", race)
