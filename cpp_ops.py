@@ -18,10 +18,10 @@ def build(source: str, what: str, cflags: list[str] = CFLAGS) -> str:
     name = os.path.basename(source)
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
-        raise ValueError(f"{what} ({name}) are built on first use and need a C++ compiler: {compiler!r} is not on "
-                         "PATH (install g++, or set CXX)")
+        raise ValueError(f"{what} ({name}): built on first use, which needs a C++ compiler: {compiler!r} is not "
+                         "on PATH (install g++, or set CXX)")
     if not is_ninja_available():
-        raise ValueError(f"{what} ({name}) are built on first use and need ninja: pip install ninja==1.13.2 "
+        raise ValueError(f"{what} ({name}): built on first use, which needs ninja: pip install ninja==1.13.2 "
                          "(requirements.txt)")
     with open(source, "rb") as f:
         # a name per source and CPU: builds of other versions (other checkouts), or from another

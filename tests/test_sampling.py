@@ -382,3 +382,14 @@ def test_sample_draws_alike_with_and_without_the_cpu_op(monkeypatch):
         monkeypatch.setattr(sampler, "_race", None)
         assert torch.equal(draw(), with_op)
         monkeypatch.setattr(sampler, "_race", race)
+
+
+def test_without_a_compiler_sampling_keeps_to_torch(monkeypatch, caplog):
+    """Where race.cpp cannot be built (no C++ compiler), load_race says so once in the log and
+    sample() draws with torch's operators."""
+    monkeypatch.setattr(sampler, "_race", None)
+    monkeypatch.setattr(sampler, "_race_tried", False)
+    monkeypatch.setenv("CXX", "no-such-c++")
+    assert not sampler.load_race() and "'no-such-c++'" in caplog.text
+    logits = torch.randn(2, 4096, generator=torch.Generator().manual_seed(0))
+    assert sampler.sample(logits, [seeded(0, top_p=0.9), seeded(1, top_p=0.9)]).shape == (2,)
