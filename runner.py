@@ -15,7 +15,9 @@ KV_BLOCK_SIZE = 16  # tokens per KV-cache block
 # scaled_dot_product_attention (sdpa), FlexAttention reading them in place (flex), or auto:
 # flex for a step that would gather at least FLEX_FROM_TOKENS cached tokens, where it
 # measured faster on CPU, and sdpa below, where its fixed cost per call loses (BENCHMARKS.md,
-# attention backends). Auto on CUDA is sdpa until bench/gpu_check.sh has measured flex there.
+# attention backends). Only for a model whose every query head has its own KV heads: with
+# grouped-query heads flex lost to sdpa at every context measured on CPU (docs/tuning-log.md).
+# Auto on CUDA is sdpa until bench/gpu_check.sh has measured flex there.
 ATTENTION = ("auto", "flex", "sdpa")
 FLEX_FROM_TOKENS = 2048
 
@@ -102,10 +104,13 @@ class ModelRunner:
         return GatherAttention.build(batch, positions, self.block_size, self.dtype)
 
     def flex_may_pay(self) -> bool:
-        """Whether auto considers flex here: on CPU (measured there only so far), with a pool of
-        at least FLEX_FROM_TOKENS tokens (a smaller one reaches them only through a prefix that
-        several sequences share: it stays with sdpa and compiles no flex kernel or graph)."""
-        return self.device.type != "cuda" and self.num_blocks * self.block_size >= FLEX_FROM_TOKENS
+        """Whether auto considers flex here: on CPU (measured there only so far), for a model
+        without grouped-query heads, with a pool of at least FLEX_FROM_TOKENS tokens (a smaller
+        one reaches them only through a prefix that several sequences share). Elsewhere auto
+        stays with sdpa and compiles no flex kernel or graph."""
+        params = self.model.params
+        return (self.device.type != "cuda" and params.n_kv_heads == params.n_heads
+                and self.num_blocks * self.block_size >= FLEX_FROM_TOKENS)
 
     def may_use_flex(self) -> bool:
         """Whether a step may attend with FlexAttention, which is compiled at its first use

@@ -18,8 +18,9 @@ from sequence import SamplingParams
 from serving_config import ServingConfig
 
 # four long prompts first, prefilled in one step (no limit on a step's tokens) and decoded
-# together: their steps gather over 2,048 cached tokens, where handler.attention auto switches
-# to FlexAttention; then issue 34's greedy chat questions (test_smollm2.py), with sdpa under auto
+# together: their steps gather over 2,048 cached tokens, where handler.attention auto would switch
+# to FlexAttention for a model without grouped-query heads; then issue 34's greedy chat questions
+# (test_smollm2.py)
 PASSAGE = "The lighthouse keeper climbed the stairs every evening and lit the great lamp. "
 QUESTIONS = [f"Read this, then give its {what}: {PASSAGE * 36}" for what in ("summary", "title", "moral", "mood")] + [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain gravity in one sentence.",

@@ -132,11 +132,6 @@ def checkpoints(tmp_path_factory):
 
 DEMO = os.environ.get("TEST_WEIGHTS", os.path.join(ROOT, "demo"))  # the checkpoint the server tests serve
 SERVER_SLOTS = 4
-# handler.attention of the servers whose tests are about something else, the shared one too:
-# auto compiles FlexAttention's kernel as each rank loads (the shared server started in 39.8 s
-# alone with an empty inductor cache, 6.6 s with sdpa), which make serve's (test_startup.py)
-# and test_attention.py's show
-NOT_FLEX = "sdpa"
 SERVER_MAX_SEQ_LEN = 512
 
 
@@ -209,7 +204,7 @@ def server(tmp_path_factory):
     (tests/injected.py), which test_batching.py uses to show what a bug costs. Its steps overlap
     TorchServe's round trip, one per iteration, as on a GPU (handler.overlap auto, the
     other servers here, runs 4 steps or more in turn on a CPU whose cores all compute)."""
-    srv = start_demo_server(tmp_path_factory.mktemp("torchserve"), faults=True, overlap=True, attention=NOT_FLEX,
+    srv = start_demo_server(tmp_path_factory.mktemp("torchserve"), faults=True, overlap=True,
                             steps_per_iteration=1)
     srv.initial_pids = srv.worker_pids()
     yield srv

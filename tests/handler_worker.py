@@ -59,9 +59,7 @@ class Tomorrow(datetime):
 def context(out_dir: str, overlap: bool, checkpoint: str) -> Context:
     metrics = MetricsCacheYamlImpl(os.path.join(os.path.dirname(ts.__file__), "configs", "metrics.yaml"))
     metrics.initialize_cache()
-    # sdpa (conftest.NOT_FLEX): these tests are about batches, and auto compiled FlexAttention's
-    # kernel as each rank loaded
-    settings = {"checkpoint": checkpoint, "max_seq_len": 512, "overlap": overlap, "attention": "sdpa"}
+    settings = {"checkpoint": checkpoint, "max_seq_len": 512, "overlap": overlap}
     if overlap:
         settings["steps_per_iteration"] = 1
     return Context("llama", out_dir, None, 4, None, ts.__version__, metrics=metrics,

@@ -11,7 +11,7 @@ import pytest
 
 import generate as G
 import llama2
-from conftest import NOT_FLEX, SERVER_SLOTS, decoded_after_leaving
+from conftest import SERVER_SLOTS, decoded_after_leaving
 from local_server import start_server
 from serving_config import IN_TURN_STEPS
 
@@ -25,7 +25,7 @@ def llama3_server(llama3, tmp_path_factory):
     # in turn, 4 to 16 steps per iteration, as on a CPU without a core to spare (the tests' shared
     # server overlaps one step per iteration, as on a GPU)
     srv = start_server(tmp_path_factory.mktemp("llama3_server"), folder, tp=2, batch_size=SERVER_SLOTS,
-                       handler={"max_seq_len": 256, "overlap": False, "attention": NOT_FLEX})
+                       handler={"max_seq_len": 256, "overlap": False})
     yield srv, llama2.tp_llama(None, folder, None, 1, max_batch_size=SERVER_SLOTS, max_seq_len=256)
     srv.stop(wait=False)
 

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import requests
 
-from conftest import NOT_FLEX, start_demo_server
+from conftest import start_demo_server
 from test_reliability import save_figures
 
 ERROR_BOUND = 30  # s: a request in flight must have its error by then
@@ -25,7 +25,7 @@ PROMPT = "The secret of a happy life is"
 
 @pytest.fixture
 def own_server(tmp_path):
-    srv = start_demo_server(tmp_path / "ts", attention=NOT_FLEX)
+    srv = start_demo_server(tmp_path / "ts")
     yield srv
     java = srv.frontend()
     tree = [java] + java.children(recursive=True) if java else []

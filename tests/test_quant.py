@@ -21,7 +21,7 @@ import generate
 import llama2
 import quant
 from block_quant import BlockLinear
-from conftest import DEMO, NOT_FLEX, SERVER_MAX_SEQ_LEN, SERVER_SLOTS, parting, start_demo_server
+from conftest import DEMO, SERVER_MAX_SEQ_LEN, SERVER_SLOTS, parting, start_demo_server
 from torchrun import run
 
 HELD_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "devils_dictionary.txt")
@@ -301,7 +301,7 @@ def test_torchserve_with_int4_answers_as_int4_in_process(tmp_path, demo_llama):
     their logprobs are the int4 model's in this process (logprobs within the bf16 rounding
     of TP=2's partial sums), up to a near tie (agreed_prefix)."""
     body = {"prompt": PROMPTS, "temperature": 0, "max_new_tokens": N_NEW, "logprobs": True, "top_logprobs": 5}
-    server = start_demo_server(tmp_path, quantization="int4", attention=NOT_FLEX)
+    server = start_demo_server(tmp_path, quantization="int4")
     try:
         answers = server.generate(body)
     finally:

@@ -18,7 +18,7 @@ from llguidance import LLMatcher
 
 import llama2
 import structured
-from conftest import DEMO, NOT_FLEX, ROOT
+from conftest import DEMO, ROOT
 from engine import Engine
 from sequence import SamplingParams
 from structured import Constraint
@@ -104,7 +104,7 @@ def test_tightening_refuses_only_what_llguidance_refuses(name):
 @pytest.fixture(scope="module")
 def answers() -> dict:
     """Each schema that compiles: its SEEDS answers (sequences), all decoded together."""
-    llama = llama2.tp_llama(None, DEMO, None, 1, max_batch_size=32, max_seq_len=128, attention=NOT_FLEX)
+    llama = llama2.tp_llama(None, DEMO, None, 1, max_batch_size=32, max_seq_len=128)
     engine = Engine(llama.runner, llama.tokenizer)
     prompt = llama.tokenizer.encode(PROMPT, bos=True, eos=False)
     out = {}

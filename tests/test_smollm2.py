@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import chat_format
-from conftest import NOT_FLEX, ROOT, gguf_parsed_once
+from conftest import ROOT, gguf_parsed_once
 from engine import Engine
 from llama2 import tp_llama
 from local_server import start_server
@@ -77,7 +77,7 @@ def smollm2_server(tmp_path_factory):
 
 def served(tmp_path_factory, tp: int, threads: int):
     srv = start_server(tmp_path_factory.mktemp("smollm2"), None, tp=tp, batch_size=8, threads=threads,
-                       handler={"checkpoint": SMOLLM2, "tokenizer": SMOLLM2, "max_seq_len": 512, "attention": NOT_FLEX})
+                       handler={"checkpoint": SMOLLM2, "tokenizer": SMOLLM2, "max_seq_len": 512})
     yield openai.OpenAI(base_url=f"{srv.url}/predictions/llama/1.0/v1", api_key=srv.key, max_retries=0)
     srv.stop(wait=False)
 

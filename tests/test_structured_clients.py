@@ -17,7 +17,7 @@ import regex
 from pydantic import BaseModel, Field, StringConstraints
 from typing_extensions import Annotated
 
-from conftest import DEMO, NOT_FLEX, SERVER_SLOTS
+from conftest import DEMO, SERVER_SLOTS
 from local_server import start_server
 from test_structured import CHOICES, REGEXES, SCHEMAS
 from test_tools import LLAMA31_TEMPLATE
@@ -49,7 +49,7 @@ def srv(request, tmp_path_factory):
         tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
         (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"chat_template": LLAMA31_TEMPLATE}))
     srv = start_server(workdir / "server", str(folder), tp=2, batch_size=SERVER_SLOTS,
-                       handler={"max_seq_len": 2048 if request.param == "demo" else 1024, "attention": NOT_FLEX})
+                       handler={"max_seq_len": 2048 if request.param == "demo" else 1024})
     yield srv
     srv.stop(wait=False)
 
