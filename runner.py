@@ -16,7 +16,8 @@ KV_BLOCK_SIZE = 16  # tokens per KV-cache block
 # flex for a step that would gather at least FLEX_FROM_TOKENS cached tokens, where it
 # measured faster on CPU, and sdpa below, where its fixed cost per call loses (BENCHMARKS.md,
 # attention backends). Only for a model whose every query head has its own KV heads: with
-# grouped-query heads flex lost to sdpa at every context measured on CPU (docs/tuning-log.md).
+# grouped-query heads flex measured even with sdpa at 2 query heads per KV head and slower at
+# 3 or 4, on CPU (docs/tuning-log.md).
 # Auto on CUDA is sdpa until bench/gpu_check.sh has measured flex there.
 ATTENTION = ("auto", "flex", "sdpa")
 FLEX_FROM_TOKENS = 2048
