@@ -623,7 +623,7 @@ at::Tensor linear(const at::Tensor& x_, const at::Tensor& qweight, const at::Ten
     return out;
   }
 #if BQ_VNNI
-  if (int8_x) {
+  if (int8_x && M < bf16_rows) {  // from bf16_rows without AMX: fp32, as with AMX it is bf16
     linear_tiles(quantize_x<F>(x.data_ptr<float>(), M, K), M, K, w, N, op);
     return out;
   }

@@ -21,9 +21,10 @@ import constraint_fields
 import llama2
 import native_api
 import openai_api
+import sampler
 import structured
 from api import Defaults, Limits, RequestError
-from conftest import DEMO, read_now
+from conftest import DEMO, parting, read_now
 from engine import Engine
 from engine_worker import CONSTRAINTS, constrained
 from sequence import SamplingParams
@@ -200,21 +201,47 @@ def test_prefix_caching_keeps_the_answer(engine):
     assert engine.pool.hits > 0 and again.tokens == first.tokens
 
 
-def test_preemption_keeps_the_grammar():
+def test_preemption_keeps_the_grammar(monkeypatch):
     """A pool of 9 blocks of 16 tokens for four constrained sequences: some are preempted
     (their matchers keep what they consumed) and recomputed; each gets the tokens it gets
-    alone, and they match their pattern."""
+    alone, up to a near tie, and they match their pattern. A near tie: the draw that parts
+    them fell within CDF_TIE of a step of the alone run's CDF (recomputing a prompt rounds
+    its logits otherwise than decoding did: seed 3 drew 1.2e-8 from one on an AMD CPU, where
+    the batch moved that step by 8e-8)."""
+    draws = {}  # each draw's key: its distance to the nearest step of its CDF, as a fraction of the mass
+    inverse_cdf = sampler.inverse_cdf
+
+    def measured(scaled, keys):
+        tokens = inverse_cdf(scaled, keys)
+        cdf = (scaled.double() - scaled.amax(-1, keepdim=True)).exp().cumsum(-1)
+        cdf = cdf / cdf[:, -1:]
+        for row, (key, token) in enumerate(zip(keys.tolist(), tokens.tolist())):
+            u = (key[0] * 2**21 + (key[1] >> 11) + 0.5) / 2**53
+            low = cdf[row, token - 1].item() if token else 0.0
+            draws[tuple(key)] = min(abs(u - low), abs(cdf[row, token].item() - u))
+        return tokens
+
+    monkeypatch.setattr(sampler, "inverse_cdf", measured)
     llama = llama2.tp_llama(None, DEMO, None, 1, max_batch_size=4, max_seq_len=128)
     llama.runner.allocate(num_blocks=9)
     pattern = "[a-z ]{10,80}"
     requests = [(f"Story {i}: " + "once upon a time " * (2 + i), params(Constraint("regex", pattern), max_gen_len=24,
                                                                          seed=i)) for i in range(4)]
-    alone = [generate(Engine(llama.runner, llama.tokenizer, prefix_caching=False), [r])[0] for r in requests]
+    alone, alone_draws = [], []
+    for r in requests:
+        draws.clear()
+        alone += generate(Engine(llama.runner, llama.tokenizer, prefix_caching=False), [r])
+        alone_draws.append(list(draws.values()))  # one a token, in order
     engine = Engine(llama.runner, llama.tokenizer, max_seqs=4, prefix_caching=False)
     seqs = generate(engine, requests)
     assert engine.scheduler.preemptions > 0
-    assert [s.tokens for s in seqs] == [s.tokens for s in alone]
+    for seq, want, margins in zip(seqs, alone, alone_draws):
+        parted = parting(seq.tokens, want.tokens)
+        assert seq.tokens == want.tokens if parted is None else margins[parted] < CDF_TIE, (parted, margins)
     assert all(re.fullmatch("[a-z ]+", s.text) for s in seqs)  # max_gen_len ends them inside the pattern
+
+
+CDF_TIE = 1e-6  # where fp32 rounding of the logits can move a step of the CDF (8e-8 seen)
 
 
 # A schema whose pattern needs more lexer states than small_lexer allows: its grammar breaks
