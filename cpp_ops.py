@@ -24,11 +24,30 @@ def build(source: str, what: str, cflags: list[str] = CFLAGS) -> str:
         raise ValueError(f"{what} ({name}): built on first use, which needs ninja: pip install ninja==1.13.2 "
                          "(requirements.txt)")
     with open(source, "rb") as f:
-        # a name per source and CPU: builds of other versions (other checkouts), or from another
-        # machine sharing the cache, never overwrite nor stand in for this one
-        digest = hashlib.sha256(f.read() + repr(cflags).encode() + cpu_flags()).hexdigest()[:12]
-    return load(name=f"{name.removesuffix('.cpp')}_{digest}", sources=[source], extra_cflags=cflags,
-                is_python_module=False)
+        code = f.read()
+    # a name per source and CPU: builds of other versions (other checkouts), or from another
+    # machine sharing the cache, never overwrite nor stand in for this one
+    digest = hashlib.sha256(code + repr(cflags).encode() + cpu_flags()).hexdigest()[:12]
+    name = f"{name.removesuffix('.cpp')}_{digest}"
+    return load(name=name, sources=[source_copy(code, name)], extra_cflags=cflags, is_python_module=False)
+
+
+def source_copy(code: bytes, name: str) -> str:
+    """The path of a copy of code named after its build: ninja's command holds the source's
+    path, so a build from another path (another checkout, each folder TorchServe unpacks a
+    model archive into) compiled the library again (1.3 s for race.cpp, 7 s for
+    block_quant.cpp here), and the next build from the first path again."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    folder = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), "sources")
+    path = os.path.join(folder, f"{name}.cpp")
+    if not os.path.exists(path):  # written whole, under its final name only once complete
+        os.makedirs(folder, exist_ok=True)
+        part = f"{path}.{os.getpid()}"
+        with open(part, "wb") as f:
+            f.write(code)
+        os.replace(part, path)
+    return path
 
 
 def cpu_flags() -> bytes:

@@ -25,6 +25,7 @@ HZ = os.sysconf("SC_CLK_TCK")
 KINDS = [  # (kind, what its command line holds), the first that matches
     ("C++ compiler", ("cc1plus", "g++ ", "c++ ", "collect2", "ninja ")),
     ("TorchServe's frontend (Java)", ("java",)),
+    ("inductor's compile workers", ("compile_worker",)),
     ("TorchServe's workers (torchrun's ranks)", ("model_service_worker",)),
     ("torchrun launcher (the tests' and TorchServe's)", ("torch.distributed.run",)),
     ("test ranks (tests/*_worker.py, forked from tests/rank_zygote.py)", ("_worker.py", "rank_zygote.py")),
@@ -90,7 +91,7 @@ def run(pytest_args: list[str], cold: bool) -> tuple[float, collections.Counter,
         sampler.start()
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup",
-                               "-p", "bench.suite_profile", *(pytest_args or ["tests"])],
+                               "-p", "bench.suite_profile", *(pytest_args or ["-m", "not combinations", "tests"])],
                               cwd=ROOT, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - start
         done.set()

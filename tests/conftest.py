@@ -14,6 +14,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+# Inductor takes the CPU's vector instructions from its flags, without building and loading a
+# probe of each in a new process, in every process that compiles (2.6 s of CPU each here;
+# read when torch._inductor.config is imported, so before torch). The product's own compiles
+# (`make serve`) still probe.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+# A process of several threads (a TP=1 server on the cores' threads) whose threads wait for
+# each other asleep, not spinning on cores the other tests' processes need.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import make_checkpoint  # noqa: E402
 import torch  # noqa: E402

@@ -3,6 +3,7 @@ product with the dequantized weights, GGUF's numbers kept exactly (gguf.quants a
 column shards, fused rows, bf16 inputs, torch.compile, and the refusal without a compiler."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -334,11 +335,10 @@ def run_check_build(env: dict, *cflags: str) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cflags", [["-mno-avx512f"], ["-mno-avx"]], ids=["avx2", "plain"])
-def test_avx2_and_plain_cpp_paths(cflags):
-    """The kernels built without AVX-512 (the AVX2 path) and without AVX (plain C++) compute the
-    same weights, read back in torch from the documented layout."""
-    run = run_check_build(dict(os.environ), *cflags)
+def test_plain_cpp_path():
+    """The kernels built without AVX (plain C++) compute the same weights, read back in torch
+    from the documented layout (the AVX2 path: test_ranks_building_at_once)."""
+    run = run_check_build(dict(os.environ), "-mno-avx")
     output, _ = run.communicate(timeout=600)
     assert run.returncode == 0 and "computed" in output, output[-3000:]
 
@@ -346,11 +346,29 @@ def test_avx2_and_plain_cpp_paths(cflags):
 @pytest.mark.slow
 def test_ranks_building_at_once(tmp_path):
     """Two processes (tensor-parallel ranks) loading the kernels at once, with nothing built yet:
-    one builds under torch's lock file while the other waits, and both compute."""
+    one builds under torch's lock file while the other waits, and both compute. They build the
+    kernels without AVX-512 (the AVX2 path), which both check as test_plain_cpp_path does."""
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
-    runs = [run_check_build(env) for _ in range(2)]
+    runs = [run_check_build(env, "-mno-avx512f") for _ in range(2)]
     outputs = [run.communicate(timeout=600)[0] for run in runs]
     for run, output in zip(runs, outputs):
         assert run.returncode == 0 and "computed" in output, output[-3000:]
     [log] = tmp_path.glob("block_quant_*/.ninja_log")
-    assert log.read_text().count("block_quant.o") == 1  # compiled once
+    assert log.read_text().count(".o\t") == 1  # compiled once (the source copy: cpp_ops.source_copy)
+
+
+@pytest.mark.slow
+def test_the_same_source_from_another_folder_is_not_compiled_again(tmp_path):
+    """A process that builds race.cpp from another folder (another checkout, the folder
+    TorchServe unpacks a model archive into), then one from the first folder again, load the
+    library the first process built: ninja compiles once."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    unpacked = tmp_path / "unpacked"
+    unpacked.mkdir()
+    source = os.path.join(ROOT, "race.cpp")
+    shutil.copy(source, unpacked)
+    for path in (source, str(unpacked / "race.cpp"), source):
+        subprocess.run([sys.executable, "-c", f"import cpp_ops; cpp_ops.build({path!r}, 'race')"], cwd=ROOT, env=env,
+                       check=True)
+    [log] = (tmp_path / "ext").glob("race_*/.ninja_log")
+    assert log.read_text().count(".o\t") == 1
