@@ -77,7 +77,8 @@ def sample_cpu(done: threading.Event) -> collections.Counter:
 def pytest_runtest_logreport(report):
     if "PYTEST_XDIST_WORKER" in os.environ and (out := os.environ.get("SUITE_PROFILE_OUT")):
         with open(out, "a") as f:
-            f.write(json.dumps({"test": report.nodeid.split("@")[0], "seconds": report.duration}) + "\n")
+            f.write(json.dumps({"test": report.nodeid.split("@")[0], "seconds": report.duration, "ended": time.time(),
+                                "worker": os.environ["PYTEST_XDIST_WORKER"]}) + "\n")
 
 
 def run(pytest_args: list[str], cold: bool) -> tuple[float, collections.Counter, collections.Counter, str]:
@@ -89,26 +90,30 @@ def run(pytest_args: list[str], cold: bool) -> tuple[float, collections.Counter,
         cpu = {}
         sampler = threading.Thread(target=lambda: cpu.update(by_kind=sample_cpu(done)))
         sampler.start()
-        start = time.perf_counter()
+        start, wall_start = time.perf_counter(), time.time()
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup",
                                "-p", "bench.suite_profile", *(pytest_args or ["-m", "not combinations", "tests"])],
                               cwd=ROOT, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - start
         done.set()
         sampler.join()
-        by_module = collections.Counter()
+        by_module, ended = collections.Counter(), {}
         if os.path.exists(env["SUITE_PROFILE_OUT"]):
             for line in open(env["SUITE_PROFILE_OUT"]):
                 row = json.loads(line)
                 by_module[row["test"].split("::")[0]] += row["seconds"]
+                ended[row["worker"]] = max(ended.get(row["worker"], 0.0), row["ended"] - wall_start)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
-    return wall, by_module, cpu["by_kind"], summary
+    return wall, by_module, cpu["by_kind"], summary, ended
 
 
-def tables(wall: float, by_module: collections.Counter, by_kind: collections.Counter, top: int = 20) -> str:
+def tables(wall: float, by_module: collections.Counter, by_kind: collections.Counter, ended: dict,
+           top: int = 20) -> str:
     cpu = sum(by_kind.values())
     lines = [f"Wall time {wall:.0f} s; CPU time {cpu:.0f} s ({cpu / wall / os.cpu_count():.0%} of "
-             f"{os.cpu_count()} cores).", "", "| kind of process | CPU s | share |", "|---|---|---|"]
+             f"{os.cpu_count()} cores). Each worker's last test ended at: "
+             + ", ".join(f"{w} {t:.0f} s" for w, t in sorted(ended.items())) + ".",
+             "", "| kind of process | CPU s | share |", "|---|---|---|"]
     rows = [(k, v) for k, v in by_kind.most_common() if v >= cpu / 200]
     rows.append(("everything else (kernel threads, shells, each under 0.5 %)", cpu - sum(v for _, v in rows)))
     lines += [f"| {k} | {v:.0f} | {v / cpu:.0%} |" for k, v in rows]
@@ -123,8 +128,8 @@ def main():
     ap.add_argument("--cold", action="store_true", help="inductor's cache in an empty folder")
     ap.add_argument("--out", help="also write the tables here")
     a, pytest_args = ap.parse_known_args()
-    wall, by_module, by_kind, summary = run(pytest_args, a.cold)
-    text = f"{summary}\n\n{tables(wall, by_module, by_kind)}\n"
+    wall, by_module, by_kind, summary, ended = run(pytest_args, a.cold)
+    text = f"{summary}\n\n{tables(wall, by_module, by_kind, ended)}\n"
     print(text)
     if a.out:
         with open(a.out, "w") as f:
