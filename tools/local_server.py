@@ -2,6 +2,7 @@
 running `make serve`), its own pid file and key file, the repository's configs otherwise."""
 
 import collections
+import getpass
 import json
 import os
 import random
@@ -10,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -79,6 +81,19 @@ def port_free(port: int) -> bool:
             return False
 
 
+def share_precompiled_headers(tmp: str):
+    """Makes tmp, a server's $TMPDIR, whose torchinductor_$USER/precompiled_headers (where
+    inductor keeps them, whatever TORCHINDUCTOR_CACHE_DIR says) is this process's: each server
+    that compiled built its own (147 MB, 4 s of g++)."""
+    name = f"torchinductor_{getpass.getuser()}"
+    shared = os.path.join(tempfile.gettempdir(), name, "precompiled_headers")
+    os.makedirs(shared, exist_ok=True)
+    os.makedirs(os.path.join(tmp, name), exist_ok=True)
+    link = os.path.join(tmp, name, "precompiled_headers")
+    if not os.path.lexists(link):
+        os.symlink(shared, link)
+
+
 class Server:
     """A private TorchServe's folder: free ports in its own config.properties, its own pid
     file ($TMPDIR) and key file. build() then start(), or make_serve(), start it."""
@@ -86,7 +101,7 @@ class Server:
     def __init__(self, workdir: str, tp: int = 2, env: dict | None = None):
         self.workdir, self.tp = workdir, tp
         self.tmp = os.path.join(workdir, "tmp")  # TorchServe's pid file goes to $TMPDIR
-        os.makedirs(self.tmp, exist_ok=True)
+        share_precompiled_headers(self.tmp)
         self.extra_env = env or {}  # for the frontend and the workers it starts
         names = ("inference", "management", "metrics", "grpc", "grpc_management")
         taken = set()  # free ports drawn one at a time may repeat: the frontend's second bind then fails
