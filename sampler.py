@@ -291,11 +291,16 @@ def inverse_cdf(scaled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         weights = F.pad(weights, (0, -vocab % CDF_CHUNK))
     chunks = weights.view(b, -1, CDF_CHUNK)
     before = F.pad(chunks.sum(dim=-1).double().cumsum_(dim=-1), (1, 0))  # mass before each chunk
-    bits = keys[:, :1] * 2**21 + (keys[:, 1:] >> 11)  # below 2**53: exact in a double
-    target = (bits.double() + 0.5) / 2**53 * before[:, -1:]
+    target = uniforms(keys) * before[:, -1:]
     chunk = first_past(before[:, 1:].contiguous(), target)
     inside = chunks.gather(1, chunk[:, :, None].expand(-1, -1, CDF_CHUNK))[:, 0].cumsum(dim=-1, dtype=torch.float64)
     return (chunk * CDF_CHUNK + first_past(inside, target - before.gather(1, chunk)))[:, 0]
+
+
+def uniforms(keys: torch.Tensor) -> torch.Tensor:
+    """(b, 1): each row's u in (0, 1), float64, of 53 bits from its keys (b, 2)."""
+    bits = keys[:, :1] * 2**21 + (keys[:, 1:] >> 11)  # below 2**53: exact in a double
+    return (bits.double() + 0.5) / 2**53
 
 
 def first_past(cdf: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

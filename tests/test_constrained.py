@@ -215,8 +215,8 @@ def test_preemption_keeps_the_grammar(monkeypatch):
         tokens = inverse_cdf(scaled, keys)
         cdf = (scaled.double() - scaled.amax(-1, keepdim=True)).exp().cumsum(-1)
         cdf = cdf / cdf[:, -1:]
-        for row, (key, token) in enumerate(zip(keys.tolist(), tokens.tolist())):
-            u = (key[0] * 2**21 + (key[1] >> 11) + 0.5) / 2**53
+        drawn = sampler.uniforms(keys)[:, 0].tolist()
+        for row, (key, token, u) in enumerate(zip(keys.tolist(), tokens.tolist(), drawn)):
             low = cdf[row, token - 1].item() if token else 0.0
             draws[tuple(key)] = min(abs(u - low), abs(cdf[row, token].item() - u))
         return tokens

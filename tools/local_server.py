@@ -2,7 +2,6 @@
 running `make serve`), its own pid file and key file, the repository's configs otherwise."""
 
 import collections
-import getpass
 import json
 import os
 import random
@@ -11,7 +10,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -85,8 +83,10 @@ def share_precompiled_headers(tmp: str):
     """Makes tmp, a server's $TMPDIR, whose torchinductor_$USER/precompiled_headers (where
     inductor keeps them, whatever TORCHINDUCTOR_CACHE_DIR says) is this process's: each server
     that compiled built its own (147 MB, 4 s of g++)."""
-    name = f"torchinductor_{getpass.getuser()}"
-    shared = os.path.join(tempfile.gettempdir(), name, "precompiled_headers")
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    shared = os.path.join(default_cache_dir(), "precompiled_headers")
+    name = os.path.basename(default_cache_dir())
     os.makedirs(shared, exist_ok=True)
     os.makedirs(os.path.join(tmp, name), exist_ok=True)
     link = os.path.join(tmp, name, "precompiled_headers")
