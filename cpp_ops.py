@@ -1,10 +1,11 @@
 """Building our C++ ops (block_quant.cpp, race.cpp) on first use with torch.utils.cpp_extension:
-once per source, flags and CPU (-march=native), cached across processes in TORCH_EXTENSIONS_DIR,
-whose lock file lets one process build while the others wait."""
+once per source, flags, CPU (-march=native) and ninja, cached across processes in
+TORCH_EXTENSIONS_DIR, whose lock file lets one process build while the others wait."""
 
 import hashlib
 import os
 import shutil
+import subprocess
 
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: at::parallel_for is inline, OpenMP pragmas (torch's libgomp at run time)
 
@@ -25,9 +26,9 @@ def build(source: str, what: str, cflags: list[str] = CFLAGS) -> str:
                          "(requirements.txt)")
     with open(source, "rb") as f:
         code = f.read()
-    # a name per source and CPU: builds of other versions (other checkouts), or from another
-    # machine sharing the cache, never overwrite nor stand in for this one
-    digest = hashlib.sha256(code + repr(cflags).encode() + cpu_flags()).hexdigest()[:12]
+    # a name per source, CPU and ninja: builds of other versions (other checkouts), from another
+    # machine sharing the cache, or by another ninja never overwrite nor stand in for this one
+    digest = hashlib.sha256(code + repr(cflags).encode() + cpu_flags() + ninja_version()).hexdigest()[:12]
     name = f"{name.removesuffix('.cpp')}_{digest}"
     return load(name=name, sources=[source_copy(code, name)], extra_cflags=cflags, is_python_module=False)
 
@@ -48,6 +49,14 @@ def source_copy(code: bytes, name: str) -> str:
             f.write(code)
         os.replace(part, path)
     return path
+
+
+def ninja_version() -> bytes:
+    """The version of the ninja on PATH, which torch builds with. Ninja's log keys each output
+    by a hash of its command that versions compute otherwise (1.11 against 1.13), so processes
+    finding other ninjas (the venv's, under make, and the system's) compiled again in turn in
+    one folder: race.cpp 16 times in one run of the suite."""
+    return subprocess.run(["ninja", "--version"], capture_output=True, check=True).stdout
 
 
 def cpu_flags() -> bytes:

@@ -372,3 +372,33 @@ def test_the_same_source_from_another_folder_is_not_compiled_again(tmp_path):
                        check=True)
     [log] = (tmp_path / "ext").glob("race_*/.ninja_log")
     assert log.read_text().count(".o\t") == 1
+
+
+def ninjas() -> dict[str, str]:
+    """{version: folder} of the ninjas this machine has: the venv's (requirements.txt) and the
+    ones on PATH or in /usr/bin."""
+    found = {}
+    for folder in [os.path.dirname(sys.executable), *os.environ["PATH"].split(os.pathsep), "/usr/bin"]:
+        path = shutil.which("ninja", path=folder)
+        if path:
+            version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout.strip()
+            found.setdefault(version, folder)
+    return found
+
+
+@pytest.mark.slow
+def test_builds_by_another_ninja_are_kept_apart(tmp_path):
+    """A process whose PATH finds another ninja (the system's, outside make) builds race.cpp
+    in a folder of its own: turns between the two ninjas compile once each, where sharing one
+    folder they compiled at every turn (each reads the other's log as out of date)."""
+    found = ninjas()
+    if len(found) < 2:
+        pytest.skip(f"one ninja here ({list(found)}): the venv's and another are needed")
+    folders = list(found.values())[:2]
+    source = os.path.join(ROOT, "race.cpp")
+    for folder in folders + folders[:1]:
+        env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), PATH=folder + os.pathsep + os.environ["PATH"])
+        subprocess.run([sys.executable, "-c", f"import cpp_ops; cpp_ops.build({source!r}, 'race')"], cwd=ROOT,
+                       env=env, check=True)
+    compiles = [log.read_text().count(".o\t") for log in tmp_path.glob("race_*/.ninja_log")]
+    assert sum(compiles) == 2, compiles
