@@ -1,16 +1,19 @@
 """One combination of the settings that change how a worker computes, loaded as a worker
 loads it (loading.load, TP=1), answering greedy chats (test_combinations.py).
 
-    combination_worker.py CHECKPOINT QUANT ATTENTION COMPILE
+    combination_worker.py CHECKPOINT QUANT ATTENTION COMPILE [exact]
 
-Prints a JSON line: {"tokens": [each answer's tokens], "gaps": [each answer's logprob margin
-of its token over the next most probable, at each position], "flex_steps": the steps that
-attended with FlexAttention}.
+exact: the block-quantized kernels take x in fp32 (block_quant.INT8_X off), so that compiled and
+eager sums round alike (test_combinations.py).
+
+Prints a JSON line: {"tokens": [each answer's tokens], "flex_steps": the steps that attended
+with FlexAttention}.
 """
 
 import json
 import sys
 
+import block_quant
 import chat_format
 import loading
 from flex_attention import FlexAttention
@@ -31,6 +34,8 @@ SLOTS = 4
 
 def main():
     checkpoint, quant, attention, compiled = sys.argv[1:5]
+    if sys.argv[5:] == ["exact"]:
+        block_quant.INT8_X = False
     config = ServingConfig(checkpoint=checkpoint, quantization=quant, attention=attention,
                            compile=compiled == "true", max_seq_len=1024, max_batched_tokens=0)
     engine, _ = loading.load(config, "", SLOTS, 1, lambda *args, **kwargs: None)
@@ -38,12 +43,11 @@ def main():
     build = FlexAttention.build.__func__
     FlexAttention.build = classmethod(lambda cls, *args: flex_steps.append(1) or build(cls, *args))
     seqs = [engine.add(chat_format.encode_dialog(engine.tokenizer, [{"role": "user", "content": q}]),
-                       SamplingParams(max_gen_len=NEW_TOKENS, temperature=0, logprobs=True, top_logprobs=2))
+                       SamplingParams(max_gen_len=NEW_TOKENS, temperature=0))
             for q in QUESTIONS]
     while engine.running:
         engine.step()
-    gaps = [[top[0][1] - top[1][1] for top in s.top_logprobs[:len(s.tokens)]] for s in seqs]
-    print(json.dumps({"tokens": [s.tokens for s in seqs], "gaps": gaps, "flex_steps": len(flex_steps)}))
+    print(json.dumps({"tokens": [s.tokens for s in seqs], "flex_steps": len(flex_steps)}))
 
 
 if __name__ == "__main__":
