@@ -2,6 +2,7 @@
 once per source, flags, CPU (-march=native) and ninja, cached across processes in
 TORCH_EXTENSIONS_DIR, whose lock file lets one process build while the others wait."""
 
+import functools
 import hashlib
 import os
 import shutil
@@ -51,6 +52,7 @@ def source_copy(code: bytes, name: str) -> str:
     return path
 
 
+@functools.cache
 def ninja_version() -> bytes:
     """The version of the ninja on PATH, which torch builds with. Ninja's log keys each output
     by a hash of its command that versions compute otherwise (1.11 against 1.13), so processes

@@ -353,8 +353,18 @@ def test_ranks_building_at_once(tmp_path):
     outputs = [run.communicate(timeout=600)[0] for run in runs]
     for run, output in zip(runs, outputs):
         assert run.returncode == 0 and "computed" in output, output[-3000:]
-    [log] = tmp_path.glob("block_quant_*/.ninja_log")
-    assert log.read_text().count(".o\t") == 1  # compiled once (the source copy: cpp_ops.source_copy)
+    assert compiles(tmp_path, "block_quant") == [1]  # compiled once (the source copy: cpp_ops.source_copy)
+
+
+def build_race(source: str, env: dict):
+    """cpp_ops.build of source (a race.cpp) in a process of its own with env."""
+    subprocess.run([sys.executable, "-c", f"import cpp_ops; cpp_ops.build({source!r}, 'race')"], cwd=ROOT, env=env,
+                   check=True)
+
+
+def compiles(extensions, name: str) -> list[int]:
+    """How many times ninja compiled each build of name in the extensions folder."""
+    return [log.read_text().count(".o\t") for log in extensions.glob(f"{name}_*/.ninja_log")]
 
 
 @pytest.mark.slow
@@ -368,10 +378,8 @@ def test_the_same_source_from_another_folder_is_not_compiled_again(tmp_path):
     source = os.path.join(ROOT, "race.cpp")
     shutil.copy(source, unpacked)
     for path in (source, str(unpacked / "race.cpp"), source):
-        subprocess.run([sys.executable, "-c", f"import cpp_ops; cpp_ops.build({path!r}, 'race')"], cwd=ROOT, env=env,
-                       check=True)
-    [log] = (tmp_path / "ext").glob("race_*/.ninja_log")
-    assert log.read_text().count(".o\t") == 1
+        build_race(path, env)
+    assert compiles(tmp_path / "ext", "race") == [1]
 
 
 def ninjas() -> dict[str, str]:
@@ -397,8 +405,6 @@ def test_builds_by_another_ninja_are_kept_apart(tmp_path):
     folders = list(found.values())[:2]
     source = os.path.join(ROOT, "race.cpp")
     for folder in folders + folders[:1]:
-        env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), PATH=folder + os.pathsep + os.environ["PATH"])
-        subprocess.run([sys.executable, "-c", f"import cpp_ops; cpp_ops.build({source!r}, 'race')"], cwd=ROOT,
-                       env=env, check=True)
-    compiles = [log.read_text().count(".o\t") for log in tmp_path.glob("race_*/.ninja_log")]
-    assert sum(compiles) == 2, compiles
+        build_race(source, dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path),
+                                PATH=folder + os.pathsep + os.environ["PATH"]))
+    assert sum(compiles(tmp_path, "race")) == 2, compiles(tmp_path, "race")

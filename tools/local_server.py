@@ -85,8 +85,8 @@ def share_precompiled_headers(tmp: str):
     that compiled built its own (147 MB, 4 s of g++)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    shared = os.path.join(default_cache_dir(), "precompiled_headers")
-    name = os.path.basename(default_cache_dir())
+    cache = default_cache_dir()
+    shared, name = os.path.join(cache, "precompiled_headers"), os.path.basename(cache)
     os.makedirs(shared, exist_ok=True)
     os.makedirs(os.path.join(tmp, name), exist_ok=True)
     link = os.path.join(tmp, name, "precompiled_headers")
