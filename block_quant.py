@@ -5,9 +5,10 @@ fp16 scale (and offset). The kernels multiply x by exactly the weights dequantiz
 
 BlockLinear(...)(x) computes up to KERNEL_MAX_ROWS rows of x with the kernels, which pick by
 the rows (a decode step's sequences, a prompt's tokens):
-  below BF16_ROWS (by format), on a CPU with AVX512-VNNI (INT8_X): each block of 32 of x rounded
-    to int8 with its own scale (Q8_0's), as llama.cpp's CPU backend does, the products summed in
-    int32 and scaled in fp32; elsewhere in fp32: x times the weights;
+  below BF16_ROWS (by format), in fp32: x times the weights; or, where INT8_X is on
+    (handler.int8_activations) and the CPU has AVX512-VNNI, each block of 32 of x rounded to int8
+    with its own scale (Q8_0's), as llama.cpp's CPU backend does, the products summed in int32
+    and scaled in fp32;
   from BF16_ROWS, on a CPU with AMX, in bf16: x and the weights rounded to bf16, products
     summed in fp32, in tile products that dequantize each weight once for all rows;
 and above KERNEL_MAX_ROWS dequantizes the weight to bf16 for F.linear (oneDNN, AMX on this
@@ -54,8 +55,11 @@ KERNEL_MAX_ROWS = 16
 BF16_ROWS = {4: 7, 8: 8}
 # x in int8 blocks below BF16_ROWS (where there is VNNI): a decode step's projections at batch 1,
 # SmolLM2 (`python bench/block_quant.py --step`, 2 threads, ms, fp32 / int8): 30 layers in q4
-# 5.34 / 4.34, in q8 7.96 / 6.53, the q8 head 1.79 / 1.41; the same at 4 and 8 rows.
-INT8_X = True
+# 5.34 / 4.34, in q8 7.96 / 6.53, the q8 head 1.79 / 1.41; the same at 4 and 8 rows. Off unless
+# handler.int8_activations (loading.py sets it for the worker): rounding x makes a row's sums
+# tip on last bits, so that a compiled worker's greedy answer can part from eager's at no near
+# tie (docs/quantization.md), where with x in fp32 their margins agree within 1.3e-5.
+INT8_X = False
 # Weights dequantized at once on the F.linear path: 4 MB of bf16, which the allocator reuses and
 # the caches hold. A whole 576 x 49152 output projection (57 MB) took 35 ms for 16 rows, against
 # 9 ms in slices, most of it page faults of the fresh buffer.

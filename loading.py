@@ -6,6 +6,7 @@ import logging
 import os
 import time
 
+import block_quant
 import chat_format
 from engine import Engine
 from llama2 import tp_llama
@@ -22,6 +23,7 @@ def load(config: ServingConfig, model_dir: str, batch_size: int, world_size: int
     checkpoint = os.path.join(model_dir, config.checkpoint)
     tokenizer = os.path.join(model_dir, config.tokenizer or config.checkpoint)
     start = time.perf_counter()
+    block_quant.INT8_X = config.int8_activations
     llama = tp_llama(None, checkpoint, tokenizer, world_size, dtype=config.torch_dtype,
                      max_batch_size=batch_size, max_seq_len=config.max_seq_len, kv_cache_bytes=config.kv_cache_bytes,
                      progress=progress, quantization=config.quantization_mode, attention=config.attention,

@@ -120,6 +120,9 @@ class ServingConfig:
     async_scheduling: bool = setting(False, "true or false", flag)
     quantization: str = setting("none", f"none, {', '.join(quant.MODES[:-1])} or {quant.MODES[-1]}",
                                 one_of("none", *quant.MODES))
+    # int8 and int4 on a CPU with AVX512-VNNI: x rounded to int8 blocks at a few rows (faster
+    # decode at small batches; compiled and eager answers may then part: docs/quantization.md)
+    int8_activations: bool = setting(False, "true or false", flag)
     limits: Limits = field(default_factory=Limits)
     defaults: Defaults = field(default_factory=Defaults)
     speculative: Speculative = field(default_factory=Speculative)
@@ -128,6 +131,9 @@ class ServingConfig:
         refuse_bad_settings(self, "handler.")
         if self.kv_cache_memory and self.kv_cache_bytes:
             raise ValueError("give handler.kv_cache_bytes or handler.kv_cache_memory, not both")
+        if self.int8_activations and self.quantization not in ("int8", "int4"):
+            raise ValueError(f"handler.int8_activations needs handler.quantization int8 or int4, "
+                             f"got {self.quantization}")
         if self.async_scheduling and self.speculative.method != "off":
             raise ValueError("handler.async_scheduling cannot run with handler.speculative: proposing tokens "
                              "needs the last ones on the host")

@@ -1,10 +1,7 @@
 """One combination of the settings that change how a worker computes, loaded as a worker
 loads it (loading.load, TP=1), answering greedy chats (test_combinations.py).
 
-    combination_worker.py CHECKPOINT QUANT ATTENTION COMPILE [exact]
-
-exact: the block-quantized kernels take x in fp32 (block_quant.INT8_X off), so that compiled and
-eager sums round alike (test_combinations.py).
+    combination_worker.py CHECKPOINT QUANT ATTENTION COMPILE
 
 Prints a JSON line: {"tokens": [each answer's tokens], "flex_steps": the steps that attended
 with FlexAttention}.
@@ -13,7 +10,6 @@ with FlexAttention}.
 import json
 import sys
 
-import block_quant
 import chat_format
 import loading
 from flex_attention import FlexAttention
@@ -34,8 +30,6 @@ SLOTS = 4
 
 def main():
     checkpoint, quant, attention, compiled = sys.argv[1:5]
-    if sys.argv[5:] == ["exact"]:
-        block_quant.INT8_X = False
     config = ServingConfig(checkpoint=checkpoint, quantization=quant, attention=attention,
                            compile=compiled == "true", max_seq_len=1024, max_batched_tokens=0)
     engine, _ = loading.load(config, "", SLOTS, 1, lambda *args, **kwargs: None)

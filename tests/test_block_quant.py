@@ -217,25 +217,26 @@ def test_cat_fuses_rows():
         BlockLinear.cat([pieces[0], BlockLinear.from_weight(weight(4, cols), 8)])
 
 
+@pytest.mark.parametrize("int8_x", [False, True])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_forward_shapes_dtypes_and_the_bf16_path(bits, monkeypatch):
+def test_forward_shapes_dtypes_and_the_bf16_path(bits, int8_x, monkeypatch):
     """forward: any leading shape, float32 or bfloat16 (computed by the kernels below BF16_ROWS
     rows, with x in int8 blocks as INT8_X says, in bf16 from there up to KERNEL_MAX_ROWS where
     there is AMX, in bf16 by F.linear above, on slices of 16 rows here), output in x's dtype."""
     monkeypatch.setattr(block_quant, "DEQUANTIZE_SLICE", 16 * 256)
+    monkeypatch.setattr(block_quant, "INT8_X", int8_x)
     layer = BlockLinear.from_weight(weight(40, 256), bits)
     w = layer.dequantize()
     first = block_quant.BF16_ROWS[bits]
     for rows in (first - 2, first, block_quant.KERNEL_MAX_ROWS):
         few = torch.randn(1, rows, 256)
         bf16 = torch.ops.block_quant.amx() and rows >= first
-        int8_x = block_quant.INT8_X and rows < first
         out = layer(few)
         assert out.shape == (1, rows, 40) and out.dtype == torch.float32
-        assert torch.equal(out, kernel(layer, few.view(-1, 256), bf16, int8_x).view(out.shape))
+        assert torch.equal(out, kernel(layer, few.view(-1, 256), bf16, int8_x and rows < first).view(out.shape))
         out = layer(few.bfloat16())
         assert out.dtype == torch.bfloat16
-        want = kernel(layer, few.bfloat16().float().view(-1, 256), bf16, int8_x)
+        want = kernel(layer, few.bfloat16().float().view(-1, 256), bf16, int8_x and rows < first)
         assert torch.equal(out, want.view(out.shape).bfloat16())
     many = torch.randn(block_quant.KERNEL_MAX_ROWS + 1, 256)
     for x in (many, many.bfloat16()):
@@ -263,10 +264,14 @@ def test_fake_implementations():
 
 
 @pytest.mark.slow
-def test_compiled_module_matches_eager():
+@pytest.mark.parametrize("int8_x", [False, True])
+def test_compiled_module_matches_eager(int8_x, monkeypatch):
     """A module holding BlockLinears compiles with fullgraph=True (no graph break) and computes as
-    eagerly; once compiled for a dynamic number of rows, fp32 and bf16 rows alike run the same
-    graph (the kernels choose, not a branch that would guard on the rows and compile again)."""
+    eagerly, x in fp32 or in int8 blocks; once compiled for a dynamic number of rows, fp32 and bf16
+    rows alike run the same graph (the kernels choose, not a branch that would guard on the rows
+    and compile again)."""
+    monkeypatch.setattr(block_quant, "INT8_X", int8_x)
+    torch._dynamo.reset()
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -408,3 +413,22 @@ def test_builds_by_another_ninja_are_kept_apart(tmp_path):
         build_race(source, dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path),
                                 PATH=folder + os.pathsep + os.environ["PATH"]))
     assert sum(compiles(tmp_path, "race")) == 2, compiles(tmp_path, "race")
+
+
+def test_a_worker_rounds_x_as_its_setting_says(monkeypatch):
+    """handler.int8_activations reaches the kernels of a worker loaded by loading.load: off (the
+    default), a row of x is multiplied in fp32; on, in int8 blocks where the CPU has VNNI."""
+    import loading
+    from conftest import DEMO
+    from serving_config import ServingConfig
+
+    monkeypatch.setattr(block_quant, "INT8_X", block_quant.INT8_X)  # restored after the test
+    outs = []
+    for on in (False, True):
+        config = ServingConfig(checkpoint=DEMO, quantization="int4", int8_activations=on, max_seq_len=64)
+        engine, _ = loading.load(config, "", 1, 1, lambda *args, **kwargs: None)
+        layer = next(m for m in engine.runner.model.modules() if isinstance(m, BlockLinear))
+        x = torch.randn(1, layer.in_features, generator=torch.Generator().manual_seed(1))
+        outs.append(layer(x))
+        assert torch.equal(outs[-1], kernel(layer, x, int8_x=on))
+    assert torch.equal(outs[0], outs[1]) != torch.ops.block_quant.vnni()

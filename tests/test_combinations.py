@@ -2,7 +2,7 @@
 int4) x handler.compile x handler.attention (auto, flex, sdpa), for SmolLM2 (its Q4_1 file,
 make smollm2) and the demo checkpoint, each loaded as a worker loads it (loading.load, TP=1,
 tests/combination_worker.py): a compiled worker gives the eager worker's greedy tokens (quantized,
-with x in fp32: see below), and unquantized, every attention gives the same tokens
+as served by default: see below), and unquantized, every attention gives the same tokens
 (quantized, their rounding may part them at a near tie: seen with SmolLM2 int8, flex against sdpa). `make test-combinations` runs them (36
 workers, half of them compiling: up to 8 minutes each for SmolLM2 with an empty inductor cache);
 `make test` leaves them out."""
@@ -23,23 +23,22 @@ QUANTS = ("none", "int8", "int4")
 ATTENTIONS = ("auto", "flex", "sdpa")
 
 
-# Quantized, the kernels round x to int8 blocks below BF16_ROWS (block_quant.INT8_X, where there
-# is VNNI): a last-bit difference between the compiled graph's sums and eager's tips a value of x
-# over a rounding boundary now and then, and the layers after it carry that on. On the AMD EPYC
-# (no AMX) one of SmolLM2's int4 margins moved by 2.1 that way (1.31 for eager's token, 0.77 for
-# another compiled: a parting at no near tie), where with INT8_X off compiled and eager margins
-# agreed within 1.3e-5 at every position (2026-12-06). So quantized workers are compared with x
-# in fp32 (exact, in the worker), and token for token; the int8 blocks' compiled path is compared
-# with eager's by test_attention.py (compiled auto at each QUANT) and test_block_quant.py.
+# Quantized, the kernels take x in fp32 as served by default: with handler.int8_activations on
+# (x rounded to int8 blocks below BF16_ROWS, where there is VNNI), a last-bit difference between
+# the compiled graph's sums and eager's tips a value of x over a rounding boundary now and then,
+# and the layers after it carry that on. On the AMD EPYC (no AMX) one of SmolLM2's int4 margins
+# moved by 2.1 that way (1.31 for eager's token, 0.77 for another compiled: a parting at no near
+# tie), where with x in fp32 compiled and eager margins agreed within 1.3e-5 at every position
+# (2026-12-06): docs/quantization.md. The int8 blocks' compiled path is compared with eager's
+# by test_block_quant.py.
 
 
 def answers(model: str, quant: str, attention: str, compiled: bool) -> dict:
-    """The greedy tokens of a worker loaded with these settings (quantized: with x in fp32), whose
+    """The greedy tokens of a worker loaded with these settings, whose
     attention is the one asked for: flex attends with FlexAttention, sdpa never does, and auto
     does not for these grouped-query models (runner.flex_may_pay)."""
-    exact = ["exact"] if quant != "none" else []
     done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "combination_worker.py"), CHECKPOINTS[model],
-                           quant, attention, str(compiled).lower(), *exact], capture_output=True, text=True, timeout=1200,
+                           quant, attention, str(compiled).lower()], capture_output=True, text=True, timeout=1200,
                           env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.splitlines()[-1])

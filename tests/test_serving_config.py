@@ -44,6 +44,8 @@ def refusal(handler=None, **top) -> str:
     ({"kv_cache_memory": 0.9, "kv_cache_bytes": 1 << 20}, "give handler.kv_cache_bytes or handler.kv_cache_memory, "
                                                          "not both"),
     ({"quantization": "int3"}, "handler.quantization must be none, int8, int4 or fp8, got 'int3'"),
+    ({"int8_activations": "yes", "quantization": "int4"}, "handler.int8_activations must be true or false, got 'yes'"),
+    ({"int8_activations": True}, "handler.int8_activations needs handler.quantization int8 or int4, got none"),
     ({"checkpoint": 7}, "handler.checkpoint must be a path, got 7"),
     ({"tokenizer": ""}, "handler.tokenizer must be a path, got ''"),
     ({"limits": {"max_prompts": "abc"}}, "handler.limits.max_prompts must be a whole number >= 1, got 'abc'"),
@@ -73,7 +75,8 @@ def test_unknown_keys_are_refused_by_name():
         "unknown keys in the handler section of model-config.yaml: handler.overlapp, handler.speed (the keys are "
         "checkpoint, tokenizer, max_seq_len, dtype, compile, kv_cache_bytes, kv_cache_memory, attention, "
         "max_batched_tokens, overlap, "
-        "steps_per_iteration, prefix_caching, async_scheduling, quantization, limits, defaults, speculative)")
+        "steps_per_iteration, prefix_caching, async_scheduling, quantization, int8_activations, limits, defaults, "
+        "speculative)")
     assert refusal({"limits": {"max_tokens": 9}}) == "handler.limits: unknown keys ['max_tokens']"
 
 
@@ -87,8 +90,9 @@ def test_torchserve_settings_the_handler_needs():
 def test_settings_left_out_get_the_defaults_and_good_ones_are_kept():
     assert read() == ServingConfig() and read({}).limits == Limits() and read().defaults == Defaults()
     config = read({"overlap": False, "max_batched_tokens": 0, "dtype": "bfloat16", "quantization": "int4",
-                   "defaults": {"temperature": 0}, "limits": {"max_prompts": 2}}, batchSize=4)
+                   "int8_activations": True, "defaults": {"temperature": 0}, "limits": {"max_prompts": 2}}, batchSize=4)
     assert (config.overlap, config.max_batched_tokens, config.quantization_mode) == (False, 0, "int4")
+    assert config.int8_activations and not read().int8_activations
     assert config.torch_dtype is torch.bfloat16 and read().torch_dtype is None  # auto: the loader decides
     assert config.defaults.temperature == 0 and config.limits == Limits(max_prompts=2)
 
