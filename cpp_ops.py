@@ -1,5 +1,5 @@
 """Building our C++ ops (block_quant.cpp, race.cpp) on first use with torch.utils.cpp_extension:
-once per source, flags, CPU (-march=native) and ninja, cached across processes in
+once per source, flags, compiler, CPU (-march=native) and ninja, cached across processes in
 TORCH_EXTENSIONS_DIR, whose lock file lets one process build while the others wait."""
 
 import functools
@@ -27,9 +27,11 @@ def build(source: str, what: str, cflags: list[str] = CFLAGS) -> str:
                          "(requirements.txt)")
     with open(source, "rb") as f:
         code = f.read()
-    # a name per source, CPU and ninja: builds of other versions (other checkouts), from another
-    # machine sharing the cache, or by another ninja never overwrite nor stand in for this one
-    digest = hashlib.sha256(code + repr(cflags).encode() + cpu_flags() + ninja_version()).hexdigest()[:12]
+    # a name per source, compiler, CPU and ninja: builds of other versions (other checkouts), by
+    # another compiler, from another machine sharing the cache, or by another ninja never
+    # overwrite nor stand in for this one
+    digest = hashlib.sha256(code + repr(cflags).encode() + compiler.encode() + cpu_flags()
+                            + ninja_version()).hexdigest()[:12]
     name = f"{name.removesuffix('.cpp')}_{digest}"
     return load(name=name, sources=[source_copy(code, name)], extra_cflags=cflags, is_python_module=False)
 

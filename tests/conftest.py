@@ -22,6 +22,9 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 # A process of several threads (a TP=1 server on the cores' threads) whose threads wait for
 # each other asleep, not spinning on cores the other tests' processes need.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Inductor's kernels built at -O1, the same numbers in less g++ time (tests/g++-O1), in
+# every process the tests start; the C++ compiler both inductor and torch's extensions call.
+os.environ.setdefault("CXX", os.path.join(ROOT, "tests", "g++-O1"))
 
 import make_checkpoint  # noqa: E402
 import torch  # noqa: E402
