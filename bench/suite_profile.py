@@ -103,7 +103,10 @@ def run(pytest_args: list[str], cold: bool) -> tuple[float, collections.Counter,
                 row = json.loads(line)
                 by_module[row["test"].split("::")[0]] += row["seconds"]
                 ended[row["worker"]] = max(ended.get(row["worker"], 0.0), row["ended"] - wall_start)
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:]
+    out = proc.stdout.strip().splitlines()
+    # pytest's last line, after the tests that failed and the slowest (with --durations)
+    summary = "\n".join(line for line in out if line.startswith("FAILED") or " call " in line
+                        or " setup " in line) + "\n" + out[-1] if out else proc.stderr[-500:]
     return wall, by_module, cpu["by_kind"], summary, ended
 
 

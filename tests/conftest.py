@@ -58,10 +58,22 @@ TORCHSERVE_FIXTURES = {"server", "llama3_server", "own_server", "limited", "conf
 
 
 def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's: groups in collection order
+        config.option.loadscopereorder = False
     config.addinivalue_line("markers", "slow: starts TorchServe or torchrun ranks, compiles, or takes seconds "
                             "(transformers' models, C++ kernels, corpora; make test-quick leaves it out)")
     config.addinivalue_line("markers", "combinations: every QUANT x handler.compile x handler.attention "
                             "(test_combinations.py: make test-combinations; make test leaves it out)")
+
+
+# The groups that take longest, longest first (a cold suite, AMD EPYC, 2026-12-07: each module's
+# tests 200, 71, 63, 58, 39, 36, 30, 28 and 27 s; the shared server's, 150 tests of many modules,
+# between the first two): pytest-xdist hands out groups in the order collected (pytest_configure
+# turns off its reordering by test count), so that no long group starts late and keeps one worker
+# busy while the other has nothing left (the workers' last tests ended 28 s apart before, 1 s after).
+LONGEST_FIRST = ["tests/test_attention.py", "server", "tests/test_smollm2.py", "tests/test_reliability.py",
+                 "tests/test_startup.py", "tests/test_block_quant.py", "tests/test_structured_clients.py",
+                 "tests/test_speculative.py", "tests/test_decode_graphs.py", "tests/test_tp.py"]
 
 
 # tryfirst: the groups are marked before pytest-xdist's hook reads them into the test ids
@@ -74,7 +86,10 @@ def pytest_collection_modifyitems(items):
         # `make test` runs tests on two workers (pytest-xdist, --dist loadgroup), a module's on
         # one, so that its module fixtures are made once, and every test of the run's shared
         # server on one, so that it starts once
-        item.add_marker(pytest.mark.xdist_group("server" if "server" in fixtures else item.nodeid.split("::")[0]))
+        item.group = "server" if "server" in fixtures else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(item.group))
+    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.group, len(rank)))  # stable: the rest as collected
 
 
 def pytest_xdist_node_collection_finished(node, ids):
@@ -151,19 +166,20 @@ def parting(ours: list, theirs: list) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
 
 
-def start_demo_server(workdir, env: dict | None = None, faults: bool = False, **handler):
-    """A TorchServe (TP=2 on CPU) serving DEMO with the tests' slots and context, its
-    frontend and workers with the runtime requirements alone (tests/runtime.py); handler:
-    more settings for model-config.yaml's handler section; env: more environment variables;
-    faults: the handler is tests/fault_handler.py's, which injects tests/injected.py's faults."""
+def start_demo_server(workdir, env: dict | None = None, faults: bool = False, tp: int = 2, **handler):
+    """A TorchServe (TP=2 on CPU, or tp ranks of one thread each) serving DEMO with the tests'
+    slots and context, its frontend and workers with the runtime requirements alone
+    (tests/runtime.py); handler: more settings for model-config.yaml's handler section; env:
+    more environment variables; faults: the handler is tests/fault_handler.py's, which injects
+    tests/injected.py's faults."""
     from local_server import start_server
     from runtime import environment
 
     tests = os.path.join(ROOT, "tests")
     files = {"handler_file": os.path.join(tests, "fault_handler.py"),
              "modules": (os.path.join(tests, "injected.py"),)} if faults else {}
-    return start_server(workdir, DEMO, tp=2, env=environment(workdir, env or {}), batch_size=SERVER_SLOTS,
-                        handler={"max_seq_len": SERVER_MAX_SEQ_LEN} | handler, **files)
+    return start_server(workdir, DEMO, tp=tp, env=environment(workdir, env or {}), batch_size=SERVER_SLOTS,
+                        threads=1, handler={"max_seq_len": SERVER_MAX_SEQ_LEN} | handler, **files)
 
 
 def configure_line(folder: str, tmp_path, monkeypatch, capsys, *options: str) -> str:

@@ -58,8 +58,8 @@ def test_tp_equals_tp1(checkpoints, tmp_path, config, layout, world_size):
 
 
 def test_tp_with_compiled_decode_equals_tp1(checkpoints, tmp_path):
-    """ModelRunner.compile_decode() at TP=2: the compiled steps (all-reduces inside the
-    graph) give the eager TP=1 logits."""
+    """ModelRunner.compile_decode() at TP=2, as a server compiles it (cpp_wrapper): the
+    compiled steps (all-reduces inside the graph) give the eager TP=1 logits."""
     folders = checkpoints["gqa"][1]
     check_tp(folders["hf"], 2, tmp_path, None, "--compile")
 

@@ -4,7 +4,7 @@
 
 loads FOLDER with llama2.tp_llama on WORLD_SIZE ranks, runs fixed_tokens() through the
 model (run_model) and saves rank r's logits, and the shapes of its shards, to
-OUT_DIR/rank{r}.pt; --compile first turns on ModelRunner.compile_decode(). test_model.py
+OUT_DIR/rank{r}.pt; --compile first turns on ModelRunner.compile_decode(cpp_wrapper=True). test_model.py
 runs the same functions in-process at TP=1."""
 
 import os
@@ -89,8 +89,8 @@ def main():
                             attention="sdpa" if compiled else "auto")
     rank = dist.get_rank() if world_size > 1 else 0
     runner = llama.runner
-    if compiled:
-        runner.compile_decode()
+    if compiled:  # as a server compiles it: its kernels called from C++
+        runner.compile_decode(cpp_wrapper=True)
     result = run_model(runner, fixed_tokens(runner.vocab_size))
     layer = llama.model.layers[0]
     result["shapes"] = {"wqkv": tuple(layer.attention.wqkv.weight.shape), "wo": tuple(layer.attention.wo.weight.shape),
