@@ -400,18 +400,22 @@ def ninjas() -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_builds_by_another_ninja_are_kept_apart(tmp_path):
-    """A process whose PATH finds another ninja (the system's, outside make) builds race.cpp
-    in a folder of its own: turns between the two ninjas compile once each, where sharing one
-    folder they compiled at every turn (each reads the other's log as out of date)."""
-    found = ninjas()
-    if len(found) < 2:
-        pytest.skip(f"one ninja here ({list(found)}): the venv's and another are needed")
-    folders = list(found.values())[:2]
+@pytest.mark.parametrize("other", ["ninja", "compiler"])
+def test_builds_by_another_ninja_or_compiler_are_kept_apart(tmp_path, other):
+    """A process whose PATH finds another ninja (the system's, outside make), or whose CXX is
+    another compiler (the tests' tests/g++-O1, make serve's g++), builds race.cpp in a folder of
+    its own: turns between the two compile once each, where sharing one folder they compiled at
+    every turn (each reads the other's log as out of date)."""
+    if other == "ninja":
+        found = ninjas()
+        if len(found) < 2:
+            pytest.skip(f"one ninja here ({list(found)}): the venv's and another are needed")
+        envs = [{"PATH": folder + os.pathsep + os.environ["PATH"]} for folder in list(found.values())[:2]]
+    else:
+        envs = [{"CXX": "g++"}, {"CXX": os.path.join(ROOT, "tests", "g++-O1")}]
     source = os.path.join(ROOT, "race.cpp")
-    for folder in folders + folders[:1]:
-        build_race(source, dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path),
-                                PATH=folder + os.pathsep + os.environ["PATH"]))
+    for env in envs + envs[:1]:
+        build_race(source, dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), **env))
     assert sum(compiles(tmp_path, "race")) == 2, compiles(tmp_path, "race")
 
 
