@@ -3,9 +3,9 @@ int4) x handler.compile x handler.attention (auto, flex, sdpa), for SmolLM2 (its
 make smollm2) and the demo checkpoint, each loaded as a worker loads it (loading.load, TP=1,
 tests/combination_worker.py): a compiled worker gives the eager worker's greedy tokens (quantized,
 as served by default: see below), and unquantized, every attention gives the same tokens
-(quantized, their rounding may part them at a near tie: seen with SmolLM2 int8, flex against sdpa). `make test-combinations` runs them (36
-workers, half of them compiling: up to 8 minutes each for SmolLM2 with an empty inductor cache);
-`make test` leaves them out."""
+(quantized, their rounding may part them at a near tie: seen with SmolLM2 int8, flex against
+sdpa). `make test-combinations` runs them (36 workers, half of them compiling: up to 8 minutes
+each for SmolLM2 with an empty inductor cache); `make test` leaves them out."""
 
 import json
 import os
@@ -34,9 +34,9 @@ ATTENTIONS = ("auto", "flex", "sdpa")
 
 
 def answers(model: str, quant: str, attention: str, compiled: bool) -> dict:
-    """The greedy tokens of a worker loaded with these settings, whose
-    attention is the one asked for: flex attends with FlexAttention, sdpa never does, and auto
-    does not for these grouped-query models (runner.flex_may_pay)."""
+    """The greedy tokens of a worker loaded with these settings, whose attention is the one
+    asked for: flex attends with FlexAttention, sdpa never does, and auto does not for these
+    grouped-query models (runner.flex_may_pay)."""
     done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "combination_worker.py"), CHECKPOINTS[model],
                            quant, attention, str(compiled).lower()], capture_output=True, text=True, timeout=1200,
                           env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
