@@ -6,7 +6,9 @@ read from /proc every half second:
     python bench/suite_profile.py [--cold] [--out FILE] [pytest arguments, e.g. tests/test_tp.py]
 
 --cold: inductor's cache in an empty folder, as a fresh clone's first run has it. Prints the
-two tables (markdown), and writes them to --out. The tables of one run are in
+tables (markdown), and writes them to --out: CPU by kind of process; each module's wall time;
+the CPU of the processes started in each test's own folder (its TorchServe, its ranks where
+they run there), and each test's CPU inside its pytest worker. The tables of runs are in
 docs/test-suite.md.
 """
 
@@ -19,6 +21,8 @@ import sys
 import tempfile
 import threading
 import time
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HZ = os.sysconf("SC_CLK_TCK")
@@ -42,8 +46,9 @@ def kind(cmdline: str) -> str:
 
 
 def processes() -> dict:
-    """{(pid, start time): (cpu seconds, command line)} of every process now (the process's
-    name where its command line is that alone, as for TorchServe's workers)."""
+    """{(pid, start time): (cpu seconds, command line, folder)} of every process now (the
+    process's name where its command line is that alone, as for TorchServe's workers; the
+    folder: its TMPDIR where that is a test's, else its working folder)."""
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -51,24 +56,40 @@ def processes() -> dict:
                 name, fields = f.read().split("(", 1)[1].rsplit(")", 1)
             with open(f"/proc/{pid}/cmdline") as f:
                 cmdline = f.read().replace("\0", " ").strip()
+            with open(f"/proc/{pid}/environ", "rb") as f:  # a test server's TMPDIR is its folder
+                tmpdir = next((v[7:] for v in f.read().split(b"\0") if v.startswith(b"TMPDIR=")), b"").decode()
+            cwd = os.readlink(f"/proc/{pid}/cwd")
         except OSError:
             continue
         fields = fields.split()
-        found[pid, fields[19]] = ((int(fields[11]) + int(fields[12])) / HZ, cmdline if " " in cmdline else name)
+        found[pid, fields[19]] = ((int(fields[11]) + int(fields[12])) / HZ, cmdline if " " in cmdline else name,
+                                  tmpdir if test_folder(tmpdir) else cwd)
     return found
 
 
-def sample_cpu(done: threading.Event) -> collections.Counter:
-    """CPU seconds by kind spent while done is unset (a process seen at the start counts from there)."""
+def test_folder(cwd: str) -> str | None:
+    """The test folder (tmp_path's last parts: a test's or a fixture's name) a process works
+    in, or None outside pytest's temporary folders."""
+    parts = cwd.split(os.sep)
+    at = next((i for i, part in enumerate(parts) if part.startswith("popen-gw")), None)
+    return None if at is None or at + 1 >= len(parts) else parts[at + 1]
+
+
+def sample_cpu(done: threading.Event) -> tuple[collections.Counter, collections.Counter]:
+    """CPU seconds by kind, and by test folder, spent while done is unset (a process seen at
+    the start counts from there)."""
     start = processes()
     last = dict(start)
     while not done.wait(0.5):
-        for key, (cpu, cmdline) in processes().items():  # the command line as first seen: an exiting process's is empty
-            last[key] = (cpu, last.get(key, (cpu, cmdline))[1])
-    by_kind = collections.Counter()
-    for key, (cpu, cmdline) in last.items():
-        by_kind[kind(cmdline)] += cpu - start.get(key, (0.0,))[0]
-    return by_kind
+        for key, (cpu, cmdline, cwd) in processes().items():  # as first seen: an exiting process's is empty
+            last[key] = (cpu, *last.get(key, (cpu, cmdline, cwd))[1:])
+    by_kind, by_folder = collections.Counter(), collections.Counter()
+    for key, (cpu, cmdline, cwd) in last.items():
+        spent = cpu - start.get(key, (0.0,))[0]
+        by_kind[kind(cmdline)] += spent
+        if (folder := test_folder(cwd)) and "pytest" not in cmdline:
+            by_folder[folder] += spent
+    return by_kind, by_folder
 
 
 # --- the pytest plugin (-p bench.suite_profile; bench/ itself is not on the path: its modules'
@@ -81,14 +102,27 @@ def pytest_runtest_logreport(report):
                                 "worker": os.environ["PYTEST_XDIST_WORKER"]}) + "\n")
 
 
-def run(pytest_args: list[str], cold: bool) -> tuple[float, collections.Counter, collections.Counter, str]:
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    """The CPU time of the worker's own process (every thread) over the test's set-up, call
+    and tear-down: a module's fixtures count in its first test."""
+    cpu = time.process_time()
+    yield
+    if "PYTEST_XDIST_WORKER" in os.environ and (out := os.environ.get("SUITE_PROFILE_OUT")):
+        with open(out, "a") as f:
+            f.write(json.dumps({"test": item.nodeid.split("@")[0], "cpu": time.process_time() - cpu}) + "\n")
+
+
+def run(pytest_args: list[str], cold: bool) -> tuple:
+    """(wall time, wall s by module, CPU s by kind, CPU s by test folder, in-process CPU s by
+    test, pytest's summary, each worker's last test's end)"""
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, SUITE_PROFILE_OUT=os.path.join(tmp, "tests.jsonl"))
         if cold:
             env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
         done = threading.Event()
         cpu = {}
-        sampler = threading.Thread(target=lambda: cpu.update(by_kind=sample_cpu(done)))
+        sampler = threading.Thread(target=lambda: cpu.update(spent=sample_cpu(done)))
         sampler.start()
         start, wall_start = time.perf_counter(), time.time()
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup",
@@ -97,21 +131,24 @@ def run(pytest_args: list[str], cold: bool) -> tuple[float, collections.Counter,
         wall = time.perf_counter() - start
         done.set()
         sampler.join()
-        by_module, ended = collections.Counter(), {}
+        by_module, in_process, ended = collections.Counter(), collections.Counter(), {}
         if os.path.exists(env["SUITE_PROFILE_OUT"]):
             for line in open(env["SUITE_PROFILE_OUT"]):
                 row = json.loads(line)
+                if "cpu" in row:
+                    in_process[row["test"]] += row["cpu"]
+                    continue
                 by_module[row["test"].split("::")[0]] += row["seconds"]
                 ended[row["worker"]] = max(ended.get(row["worker"], 0.0), row["ended"] - wall_start)
     out = proc.stdout.strip().splitlines()
     # pytest's last line, after the tests that failed and the slowest (with --durations)
     summary = "\n".join(line for line in out if line.startswith("FAILED") or " call " in line
                         or " setup " in line) + "\n" + out[-1] if out else proc.stderr[-500:]
-    return wall, by_module, cpu["by_kind"], summary, ended
+    return wall, by_module, *cpu["spent"], in_process, summary, ended
 
 
-def tables(wall: float, by_module: collections.Counter, by_kind: collections.Counter, ended: dict,
-           top: int = 20) -> str:
+def tables(wall: float, by_module: collections.Counter, by_kind: collections.Counter, by_folder: collections.Counter,
+           in_process: collections.Counter, ended: dict, top: int = 20) -> str:
     cpu = sum(by_kind.values())
     lines = [f"Wall time {wall:.0f} s; CPU time {cpu:.0f} s ({cpu / wall / os.cpu_count():.0%} of "
              f"{os.cpu_count()} cores). Each worker's last test ended at: "
@@ -123,6 +160,10 @@ def tables(wall: float, by_module: collections.Counter, by_kind: collections.Cou
     total = sum(by_module.values())
     lines += ["", f"| module (top {top}) | its tests' wall s, both workers | share |", "|---|---|---|"]
     lines += [f"| {m} | {v:.0f} | {v / total:.0%} |" for m, v in by_module.most_common(top)]
+    lines += ["", f"| test folder (top {top}): its TorchServe, its ranks, its subprocesses | CPU s |", "|---|---|"]
+    lines += [f"| {m} | {v:.0f} |" for m, v in by_folder.most_common(top)]
+    lines += ["", f"| test (top {top}), in its pytest worker, fixtures included | CPU s |", "|---|---|"]
+    lines += [f"| {m} | {v:.1f} |" for m, v in in_process.most_common(top)]
     return "\n".join(lines)
 
 
@@ -131,8 +172,8 @@ def main():
     ap.add_argument("--cold", action="store_true", help="inductor's cache in an empty folder")
     ap.add_argument("--out", help="also write the tables here")
     a, pytest_args = ap.parse_known_args()
-    wall, by_module, by_kind, summary, ended = run(pytest_args, a.cold)
-    text = f"{summary}\n\n{tables(wall, by_module, by_kind, ended)}\n"
+    wall, by_module, by_kind, by_folder, in_process, summary, ended = run(pytest_args, a.cold)
+    text = f"{summary}\n\n{tables(wall, by_module, by_kind, by_folder, in_process, ended)}\n"
     print(text)
     if a.out:
         with open(a.out, "w") as f:
