@@ -20,11 +20,11 @@ from serving import InFlight
 
 CHAT = "v1/chat/completions"
 HI = [{"role": "user", "content": "Hi"}]
-# A refusal's cost in the CPU seconds of the threads that make it, the reading thread's and the
-# grammars thread's of its InFlight: under `make test` the other worker, servers and
-# g++ share the two cores, and a 0.07 s refusal once took 1.1 s of wall time. The process's CPU
-# time counts other tests' threads too (the 1 MiB schema's test failed on it in a whole suite,
-# 0.3 s alone). The wall clock only shows that nothing waits.
+# A refusal's cost in the CPU seconds of the two threads that make it: the one that reads the
+# request and its InFlight's grammars thread. Under `make test` the other worker, servers and
+# g++ share the two cores: a 0.07 s refusal once took 1.1 s of wall time, and the process's CPU
+# time, which counts other tests' threads too, failed the 1 MiB schema's test (0.3 s alone).
+# The wall clock only shows that nothing waits.
 FAST = 1.0
 NOT_STUCK = 10.0
 
@@ -41,6 +41,7 @@ def refused(engine, body: dict | str, limits: Limits = Limits(), path: str = CHA
     inflight = InFlight(engine, limits, Defaults(), "llama")
     begin, cpu = time.perf_counter(), time.thread_time()
     message = read_now(inflight, "req-1", path, raw)
+    # the grammars thread is this InFlight's own: all of its CPU time is this request's
     cpu = time.thread_time() - cpu + (inflight.compiler.submit(time.thread_time).result() if inflight.compiler else 0)
     assert cpu < FAST and time.perf_counter() - begin < NOT_STUCK
     assert isinstance(message, api.Message), "a job: it was not refused"
