@@ -46,9 +46,9 @@ def kind(cmdline: str) -> str:
 
 
 def processes() -> dict:
-    """{(pid, start time): (cpu seconds, command line, folder)} of every process now (the
-    process's name where its command line is that alone, as for TorchServe's workers; the
-    folder: its TMPDIR where that is a test's, else its working folder)."""
+    """{(pid, start time): (cpu seconds, command line, test folder)} of every process now (the
+    process's name where its command line is that alone, as for TorchServe's workers; the test
+    folder, or None: its TMPDIR's where that is a test's, else its working folder's)."""
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -63,14 +63,14 @@ def processes() -> dict:
             continue
         fields = fields.split()
         found[pid, fields[19]] = ((int(fields[11]) + int(fields[12])) / HZ, cmdline if " " in cmdline else name,
-                                  tmpdir if test_folder(tmpdir) else cwd)
+                                  test_folder(tmpdir) or test_folder(cwd))
     return found
 
 
-def test_folder(cwd: str) -> str | None:
-    """The test folder (tmp_path's last parts: a test's or a fixture's name) a process works
-    in, or None outside pytest's temporary folders."""
-    parts = cwd.split(os.sep)
+def test_folder(path: str) -> str | None:
+    """The test folder (the part of tmp_path under the worker's: a test's or a fixture's name)
+    that path is in, or None outside pytest's temporary folders."""
+    parts = path.split(os.sep)
     at = next((i for i, part in enumerate(parts) if part.startswith("popen-gw")), None)
     return None if at is None or at + 1 >= len(parts) else parts[at + 1]
 
@@ -81,13 +81,13 @@ def sample_cpu(done: threading.Event) -> tuple[collections.Counter, collections.
     start = processes()
     last = dict(start)
     while not done.wait(0.5):
-        for key, (cpu, cmdline, cwd) in processes().items():  # as first seen: an exiting process's is empty
-            last[key] = (cpu, *last.get(key, (cpu, cmdline, cwd))[1:])
+        for key, (cpu, cmdline, folder) in processes().items():  # as first seen: an exiting process's is empty
+            last[key] = (cpu, *last.get(key, (cpu, cmdline, folder))[1:])
     by_kind, by_folder = collections.Counter(), collections.Counter()
-    for key, (cpu, cmdline, cwd) in last.items():
+    for key, (cpu, cmdline, folder) in last.items():
         spent = cpu - start.get(key, (0.0,))[0]
         by_kind[kind(cmdline)] += spent
-        if (folder := test_folder(cwd)) and "pytest" not in cmdline:
+        if folder and "pytest" not in cmdline:
             by_folder[folder] += spent
     return by_kind, by_folder
 

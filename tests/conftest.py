@@ -24,7 +24,8 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Inductor's kernels built at -O1, the same numbers in less g++ time (tests/g++-O1), in
 # every process the tests start; the C++ compiler both inductor and torch's extensions call.
-os.environ.setdefault("CXX", os.path.join(ROOT, "tests", "g++-O1"))
+TESTS_CXX = os.path.join(ROOT, "tests", "g++-O1")
+os.environ.setdefault("CXX", TESTS_CXX)
 
 import make_checkpoint  # noqa: E402
 import torch  # noqa: E402

@@ -14,9 +14,8 @@ import torch.nn.functional as F
 
 import block_quant
 from block_quant import BlockLinear
+from conftest import DEMO, ROOT, SMOLLM2, TESTS_CXX
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMOLLM2 = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
 QTYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0]
 
 
@@ -412,7 +411,7 @@ def test_builds_by_another_ninja_or_compiler_are_kept_apart(tmp_path, other):
             pytest.skip(f"one ninja here ({list(found)}): the venv's and another are needed")
         envs = [{"PATH": folder + os.pathsep + os.environ["PATH"]} for folder in list(found.values())[:2]]
     else:
-        envs = [{"CXX": "g++"}, {"CXX": os.path.join(ROOT, "tests", "g++-O1")}]
+        envs = [{"CXX": "g++"}, {"CXX": TESTS_CXX}]
     source = os.path.join(ROOT, "race.cpp")
     for env in envs + envs[:1]:
         build_race(source, dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), **env))
@@ -423,7 +422,6 @@ def test_a_worker_rounds_x_as_its_setting_says(monkeypatch):
     """handler.int8_activations reaches the kernels of a worker loaded by loading.load: off (the
     default), a row of x is multiplied in fp32; on, in int8 blocks where the CPU has VNNI."""
     import loading
-    from conftest import DEMO
     from serving_config import ServingConfig
 
     monkeypatch.setattr(block_quant, "INT8_X", block_quant.INT8_X)  # restored after the test
