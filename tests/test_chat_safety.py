@@ -215,6 +215,22 @@ def test_a_runaway_template_is_a_400_and_the_next_rendering_works(tokenizers, te
         assert prompt(route, DIALOG, good) == expected
 
 
+def test_the_time_bound_counts_the_rendering_threads_cpu(monkeypatch):
+    """A rendering's time bound is its own thread's CPU: time spent waiting for the cores (a
+    busy machine) leaves it within bounds; time spent computing goes beyond them."""
+    import chat_template
+
+    monkeypatch.setattr(chat_template, "MAX_SECONDS", 0.05)
+    budget = chat_template.Budget()
+    time.sleep(0.1)
+    budget.step()
+    end = time.thread_time() + 0.1
+    while time.thread_time() < end:
+        pass
+    with pytest.raises(chat_template.TemplateLimit, match=r"^rendering took more than 0.05 s of CPU$"):
+        budget.step()
+
+
 # --- 3. make serve refuses a template that cannot render ------------------------------------
 
 @pytest.mark.parametrize("template, words", [("{{ 2.0 ** 100000 }}", "OverflowError"),
