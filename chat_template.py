@@ -3,6 +3,7 @@ sandbox, trim_blocks and lstrip_blocks, loop controls, tojson, raise_exception a
 strftime_now) and rendered within bounds of size, work and time: the template comes with
 a checkpoint and runs on what requests send."""
 
+import contextlib
 import contextvars
 import functools
 import json
@@ -55,6 +56,9 @@ MAX_STEPS = 100_000  # loop iterations, calls, filters and operators in one rend
 # MAX_CHARS): its own work, so that a busy machine (other workers, another request's grammar
 # compile) does not make a rendering that keeps within its bounds a refusal
 MAX_SECONDS = 1.0
+# calls inside one another (a macro that calls itself): a RecursionError here, before Python's
+# own limit, which varies by process (inductor raises it) and whose depth cost seconds
+MAX_DEPTH = 100
 
 
 class TemplateLimit(Exception):
@@ -62,10 +66,11 @@ class TemplateLimit(Exception):
 
 
 class Budget:
-    """The steps, time and characters one rendering has left."""
+    """The steps, time and characters one rendering has left, and how deep its calls are."""
 
     def __init__(self):
         self.steps, self.deadline, self.chars = MAX_STEPS, time.thread_time() + MAX_SECONDS, MAX_CHARS
+        self.depth = 0
 
     def write(self, text: str):
         self.chars -= len(text)
@@ -88,6 +93,22 @@ def step():
     budget = BUDGET.get()
     if budget is not None:
         budget.step()
+
+
+@contextlib.contextmanager
+def nested():
+    """A call of the rendering, inside the calls it is made in: at most MAX_DEPTH deep."""
+    budget = BUDGET.get()
+    if budget is None:
+        yield
+        return
+    if budget.depth >= MAX_DEPTH:
+        raise RecursionError(f"calls nested more than {MAX_DEPTH} deep")
+    budget.depth += 1
+    try:
+        yield
+    finally:
+        budget.depth -= 1
 
 
 @jinja2.pass_context  # which also keeps jinja2 from folding it into a constant at compile time
@@ -300,4 +321,5 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         receiver = getattr(method, "__self__", None)
         if isinstance(receiver, str) and f"str.{method.__name__}" in GROWTH:
             within_chars(GROWTH[f"str.{method.__name__}"](receiver, *args, **kwargs))
-        return checked(super().call(__context, __obj, *args, **kwargs))
+        with nested():
+            return checked(super().call(__context, __obj, *args, **kwargs))

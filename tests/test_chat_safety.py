@@ -231,6 +231,31 @@ def test_the_time_bound_counts_the_rendering_threads_cpu(monkeypatch):
         budget.step()
 
 
+def test_a_recursive_template_is_refused_at_its_own_depth_whatever_pythons_limit(tokenizers):
+    """A macro that calls itself is a RecursionError at MAX_DEPTH calls, in well under a second,
+    also in a process whose recursion limit is high (inductor raises it): there, Python's own
+    RecursionError came only after more than a second of CPU. Nested calls within the depth
+    render."""
+    import sys
+
+    import chat_template
+
+    runaway = with_template(tokenizers["template"], "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}")
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(5_000)
+    try:
+        cpu = time.thread_time()
+        with pytest.raises(RequestError, match=f"RecursionError: calls nested more than {chat_template.MAX_DEPTH} deep"):
+            prompt("native", DIALOG, runaway)
+        assert time.thread_time() - cpu < 0.5
+    finally:
+        sys.setrecursionlimit(limit)
+    depth = chat_template.MAX_DEPTH - 1  # the outer call of f and depth - 1 more inside it
+    counted = with_template(tokenizers["template"], "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{% endif %}x{% endmacro %}"
+                            f"{{{{ f({depth - 1}) }}}}")
+    assert prompt("native", DIALOG, counted) == tokenizers["template"].encode("x" * depth, bos=False, eos=False)
+
+
 # --- 3. make serve refuses a template that cannot render ------------------------------------
 
 @pytest.mark.parametrize("template, words", [("{{ 2.0 ** 100000 }}", "OverflowError"),
