@@ -132,17 +132,12 @@ def preempted(llama) -> dict:
     chunks of 8 (test_preemption.py's run): their tokens, and each preemption's victim."""
     from test_preemption import run as run_on_pool
 
-    tok, max_seq_len = llama.tokenizer, llama.runner.max_seq_len
+    tok = llama.tokenizer
     text = "once upon a time there was a little llama who lived in the hills " * 3
     prompts = [tok.encode(text, bos=True, eos=False)[:n] for n in (12, 10, 30)]
     params = [SamplingParams(max_gen_len=n, temperature=t, seed=i, ignore_eos=True)
               for i, (n, t) in enumerate(((24, 0), (10, 0.8), (4, 0)))]
-    llama.runner.allocate(max_seq_len=64)  # a pool of 4 blocks still takes any one sequence
-    # a new pool is a new shape for flex's kernel: after the caller's other flex graphs, past
-    # dynamo's recompile limit (8), it would run eager, as a dense reference
-    with torch._dynamo.config.patch(recompile_limit=32):
-        _, seqs, victims = run_on_pool(llama, 4, prompts, params, max_batched_tokens=8)
-    llama.runner.allocate(max_seq_len=max_seq_len, num_blocks=None)
+    _, seqs, victims = run_on_pool(llama, 4, prompts, params, max_batched_tokens=8)
     return {"tokens": [s.tokens for s in seqs], "victims": victims}
 
 

@@ -21,11 +21,17 @@ def llama():
 
 def run(llama, num_blocks: int | None, prompts: list[list[int]], params: list[SamplingParams],
         **engine_options) -> tuple[Engine, list, list[tuple]]:
-    """The prompts run to the end on a pool of num_blocks (None: the default, room for
+    """The prompts run to the end on a pool of num_blocks (None: the runner's, room for
     max_batch_size sequences of max_seq_len). Returns the engine, the sequences, and for
     each preemption the victim's (id, prompt tokens scored, tokens generated) then."""
-    llama.runner.allocate(num_blocks=num_blocks)
-    engine = Engine(llama.runner, llama.tokenizer, max_seqs=4, **engine_options)
+    runner, whole = llama.runner, llama.runner.num_blocks
+    # the engine hands out the cache's first num_blocks; the cache keeps its shape, for which
+    # FlexAttention's kernels are compiled (test_attention.py's runs with flex)
+    runner.num_blocks = num_blocks or whole
+    try:
+        engine = Engine(runner, llama.tokenizer, max_seqs=4, **engine_options)
+    finally:
+        runner.num_blocks = whole
     victims, preempt = [], engine.scheduler.preempt
 
     def record(seq):
