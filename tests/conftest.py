@@ -22,10 +22,12 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 # A process of several threads (a TP=1 server on the cores' threads) whose threads wait for
 # each other asleep, not spinning on cores the other tests' processes need.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# Inductor's kernels built at -O1, the same numbers in less g++ time (tests/g++-O1), in
-# every process the tests start; the C++ compiler both inductor and torch's extensions call.
+# Inductor's kernels built at -O1, the same numbers in less g++ time, and once for sources
+# that differ only in local names (tests/g++-O1, tests/compile_kernel.py, run by this Python),
+# in every process the tests start; the C++ compiler both inductor and torch's extensions call.
 TESTS_CXX = os.path.join(ROOT, "tests", "g++-O1")
 os.environ.setdefault("CXX", TESTS_CXX)
+os.environ.setdefault("TESTS_PYTHON", sys.executable)
 
 import make_checkpoint  # noqa: E402
 import torch  # noqa: E402
