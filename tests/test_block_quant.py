@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import block_quant
 from block_quant import BlockLinear
 from conftest import DEMO, ROOT, SMOLLM2, TESTS_CXX
+import torchrun
 
 QTYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0]
 
@@ -311,40 +312,18 @@ def test_a_missing_compiler_is_named(monkeypatch):
 
 # --- building: other instruction sets, several processes at once (each compiles: slow) -----
 
-CHECK_BUILD = """
-import sys, torch
-import block_quant
-block_quant.CFLAGS += sys.argv[1:]
-block_quant.INT8_X = False  # the fp32 kernels: a build without VNNI has only them
-block_quant.load()
-torch.manual_seed(0)
-for bits in (4, 8):
-    layer = block_quant.BlockLinear.from_weight(torch.randn(37, 576), bits)
-    blocks = layer.qweight.view(37, 18, -1)
-    q = torch.cat([blocks & 15, blocks >> 4], -1) if bits == 4 else blocks  # the layout, in torch
-    w = q.float() * layer.scales.float()[..., None] + (0 if bits == 8 else layer.offsets.float()[..., None])
-    assert torch.equal(layer.dequantize(), w.view(37, 576)), bits
-    assert torch.equal(layer.dequantize(torch.bfloat16), w.view(37, 576).bfloat16()), bits
-    x = torch.randn(5, 576)
-    out = layer(x).double()
-    ref = x.double() @ w.view(37, 576).double().T
-    assert ((out - ref).abs() / (x.double().abs() @ w.view(37, 576).double().abs().T)).max() < 1e-6, bits
-print("computed")
-"""
-
-
-def run_check_build(env: dict, *cflags: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CHECK_BUILD, *cflags], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def in_processes(env: dict, n: int, *args: str) -> str:
+    """tests/build_worker.py with args in n processes at once (each with env): their output."""
+    failed, output = torchrun.run_ranks([os.path.join(ROOT, "tests", "build_worker.py"), *args], env, n, timeout=600)
+    assert not failed, output[-3000:]
+    return output
 
 
 @pytest.mark.slow
 def test_plain_cpp_path():
     """The kernels built without AVX (plain C++) compute the same weights, read back in torch
     from the documented layout (the AVX2 path: test_ranks_building_at_once)."""
-    run = run_check_build(dict(os.environ), "-mno-avx")
-    output, _ = run.communicate(timeout=600)
-    assert run.returncode == 0 and "computed" in output, output[-3000:]
+    assert "computed" in in_processes(dict(os.environ), 1, "kernels", "-mno-avx")
 
 
 @pytest.mark.slow
@@ -353,17 +332,13 @@ def test_ranks_building_at_once(tmp_path):
     one builds under torch's lock file while the other waits, and both compute. They build the
     kernels without AVX-512 (the AVX2 path), which both check as test_plain_cpp_path does."""
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
-    runs = [run_check_build(env, "-mno-avx512f") for _ in range(2)]
-    outputs = [run.communicate(timeout=600)[0] for run in runs]
-    for run, output in zip(runs, outputs):
-        assert run.returncode == 0 and "computed" in output, output[-3000:]
+    assert in_processes(env, 2, "kernels", "-mno-avx512f").count("computed") == 2
     assert compiles(tmp_path, "block_quant") == [1]  # compiled once (the source copy: cpp_ops.source_copy)
 
 
 def build_race(source: str, env: dict):
     """cpp_ops.build of source (a race.cpp) in a process of its own with env."""
-    subprocess.run([sys.executable, "-c", f"import cpp_ops; cpp_ops.build({source!r}, 'race')"], cwd=ROOT, env=env,
-                   check=True)
+    in_processes(env, 1, "race", source)
 
 
 def compiles(extensions, name: str) -> list[int]:
