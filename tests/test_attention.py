@@ -11,10 +11,11 @@ import random
 import pytest
 
 import llama2
+import torchrun
 from attention import GatherAttention
 from batch import Batch
 from block_quant import BlockLinear
-from conftest import DEMO, TOKENIZER, start_demo_server
+from conftest import DEMO, ROOT, TOKENIZER, start_demo_server
 from engine_worker import FLEX_CONFIGS, FLEX_MAX_SEQ_LEN, preempted, workload
 from flex_attention import FlexAttention
 from runner import FLEX_FROM_TOKENS
@@ -213,21 +214,14 @@ def test_torchserve_with_flex_answers_as_in_process(tmp_path, demo_llama):
     assert "prefix caching on, attention flex, async scheduling on," in log
 
 
-FIRST_FLEX_STEP = """
-import sys
-sys.path[:0] = [sys.argv[1]]
-import llama2
-from batch import Batch
-from tp_worker import max_diff
-logits = {}
-for attention in ("flex", "sdpa"):
-    runner = llama2.tp_llama(None, sys.argv[2], None, 1, max_batch_size=16, max_seq_len=128, attention=attention).runner
-    batch = Batch(tokens=[], positions=[], slots=[])
-    for row in range(16):  # 16 decode rows of 40 tokens: the count whose graph failed in inductor
-        batch.add([5 + row], 39, [3 * row, 3 * row + 1, 3 * row + 2], runner.block_size, decode=True)
-    logits[attention] = runner.forward_batch(batch)
-print(max_diff(logits["flex"], logits["sdpa"]))
-"""
+def in_a_process(*args: str) -> str:
+    """What tests/flex_worker.py with args prints, in a process of its own on one thread, as this
+    one: inductor's cache keys hold the thread count, and the demo fixture's warm-up compiled
+    the kernels on its pool (128 blocks); the graphs are the process's own."""
+    failed, output = torchrun.run_ranks([os.path.join(ROOT, "tests", "flex_worker.py"), *args],
+                                        dict(os.environ, OMP_NUM_THREADS="1"), 1, timeout=600)
+    assert not failed, output[-3000:]
+    return output.split()[-1]
 
 
 @pytest.mark.slow  # torch.compile (flex)
@@ -235,29 +229,7 @@ def test_a_process_whose_first_flex_step_decodes_16_rows():
     """In a fresh process, eager, the first FlexAttention step decodes 16 rows: compiled first
     for that count, inductor's CPU template generated C++ that did not compile (torch 2.13),
     so flex_attention.warm_decode compiles it for one row and two first."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
-    # the demo fixture's pool (128 blocks) and one thread, as this process: the kernels come
-    # from inductor's cache, and the graphs are this process's own
-    done = subprocess.run([sys.executable, "-c", FIRST_FLEX_STEP, ROOT, DEMO], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests"), OMP_NUM_THREADS="1"))
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert float(done.stdout.split()[-1]) < 1e-4
-
-
-LOADED_FLEX = """
-import sys
-sys.path[:0] = [sys.argv[1]]
-import flex_attention, loading
-from serving_config import ServingConfig
-engine, _ = loading.load(ServingConfig(checkpoint=sys.argv[2], attention=sys.argv[3], max_seq_len=int(sys.argv[4])),
-                         sys.argv[1], 4, 1,
-                         lambda *args, **kwargs: None)
-print(flex_attention.has_graph())
-"""
+    assert float(in_a_process("first-step", DEMO)) < 1e-4
 
 
 @pytest.mark.slow  # torch.compile (flex)
@@ -267,14 +239,4 @@ def test_an_eager_worker_compiles_flex_as_it_loads(attention, compiled):
     in its first flex step (a 13 s step that held every stream); one that never uses it
     compiles nothing: sdpa, or auto for DEMO's grouped-query heads (runner.may_use_flex, which
     test_auto_picks_flex_for_steps_that_gather_many_tokens checks, is loading's rule)."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
-    # one thread, as this process: inductor's cache keys hold the thread count, and the
-    # demo fixture's warm-up compiled these graphs
-    done = subprocess.run([sys.executable, "-c", LOADED_FLEX, ROOT, DEMO, attention, str(FLEX_MAX_SEQ_LEN)],
-                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split()[-1] == str(compiled)
+    assert in_a_process("load", DEMO, attention, str(FLEX_MAX_SEQ_LEN)) == str(compiled)
