@@ -3,22 +3,21 @@ dry run (small shapes, fp32): the script itself works and its checks pass on the
 GPU figures come from bench/gpu_check.sh on a GPU."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
+import torchrun
 from conftest import ROOT
 
 pytestmark = pytest.mark.slow  # torch.compile
 
 
 def dry_run(*part: str) -> list[str]:
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check.py"), *part, "--cpu-dry-run"],
-                          capture_output=True, text=True, timeout=600)
-    lines = done.stdout.strip().splitlines()
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return lines
+    """The script's output, run in a process forked by the tests' rank zygote (torch imported)."""
+    failed, output = torchrun.run_ranks([os.path.join(ROOT, "bench", "gpu_check.py"), *part, "--cpu-dry-run"],
+                                        dict(os.environ), 1, timeout=600)
+    assert not failed, output[-3000:]
+    return output.strip().splitlines()
 
 
 def test_attention_part_compares_flex_with_sdpa():
