@@ -19,6 +19,7 @@ ranks that make different collectives, or a slot written while it is read, are a
 never a wrong sum."""
 
 import contextlib
+import functools
 import logging
 import mmap
 import os
@@ -256,16 +257,23 @@ def broadcast(x: torch.Tensor, src: int = 0):
         dist.broadcast(x, src=src)
 
 
-# Inside a compiled decode step these run eagerly (a graph break): they poll the segment.
-
-@torch.compiler.disable
 def reduce_in_segment(x: torch.Tensor):
     _channel.exchange(x, REDUCE, lambda parts: torch.sum(parts, dim=0, out=x))
 
 
-@torch.compiler.disable
 def gather_in_segment(x: torch.Tensor) -> torch.Tensor:
     return _channel.exchange(x, GATHER, lambda parts: torch.cat(parts.unbind(0), dim=-1))
+
+
+@functools.cache
+def eager_in_graphs():
+    """Inside a compiled step the segment's exchanges run eagerly (a graph break): they poll
+    the segment. Called before compiling (runner.compile_decode), not when this module is
+    imported: torch.compiler.disable imports torch._dynamo, 0.6 s of CPU in every process
+    that loads a model (a TorchServe worker, make serve's check), and most never compile."""
+    global reduce_in_segment, gather_in_segment
+    reduce_in_segment = torch.compiler.disable(reduce_in_segment)
+    gather_in_segment = torch.compiler.disable(gather_in_segment)
 
 
 # --- rank 0's messages to the other ranks (handler.py: each iteration's batch) --------------

@@ -2,10 +2,12 @@
 The network is model.py, its sharding tp.py, the KV cache and compiling runner.py, the
 loading checkpoint.py (quant.py quantizes as it loads); generate.py runs the engine."""
 
+import contextlib
 import dataclasses
 import time
 
 import torch
+from torch import nn
 
 import checkpoint
 import collectives
@@ -116,12 +118,25 @@ def free_memory_share(device: torch.device, share: float) -> int:
     return int(free * share)
 
 
+@contextlib.contextmanager
+def no_random_init():
+    """nn.Linear's and nn.Embedding's random initialization skipped while the model is built on
+    the meta device, where it computes nothing: its first call there imports torch._dynamo,
+    0.6 s of CPU in every process that loads a model and never compiles (a TorchServe worker)."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
 def load_model(args: ModelArgs, reader, world_size: int, device: torch.device, dtype: torch.dtype,
                quantization: str | None, report) -> Transformer:
     """This rank's shard of the model, built on the meta device and filled from reader."""
-    with torch.device("meta"):
+    with torch.device("meta"), no_random_init():
         model = Transformer(args)
-    parallelize_llama_attn_block(model, world_size)
+        parallelize_llama_attn_block(model, world_size)
     model = model.to(dtype)
     start = time.perf_counter()
     plan = weight_plan(model, collectives.tp_world()[0], world_size)
