@@ -198,31 +198,22 @@ def unspeculated(llama):
 
 
 @pytest.fixture(scope="module")
-def float_draft(llama):
-    """The int8 draft computing with its dequantized weights in fp32: the same proposals (the
-    same p-values here) at a fraction of the time; on the CPU, int8's kernel costs about a
-    millisecond a row, and the draws decode 64 rows a step. The sampler is what is tested;
-    the int8 draft itself is, in the greedy tests above."""
-    import torch.nn.functional as F
-
-    from quant import Int8Linear
-
+def draft(llama):
+    """The int8 draft (its BlockLinear layers' kernels on the CPU), on a pool as large as the
+    model's: a block table addresses both."""
     runner = draft_model(DEMO, 1)
     runner.allocate(num_blocks=llama.runner.num_blocks)
-    for module in runner.model.modules():
-        if isinstance(module, Int8Linear):
-            module.forward = lambda x, weight=module.dequantize(): F.linear(x, weight)
     return runner
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_sampling_keeps_the_distribution(llama, float_draft, unspeculated, method, monkeypatch):
+def test_sampling_keeps_the_distribution(llama, draft, unspeculated, method, monkeypatch):
     """Two tokens after the first, drawn with and without speculation: a chi-square test does
     not reject that they are alike at the 1 % level; with proposing rows biased (their second
     most probable token turned into the most probable, which is what the proposers mostly
     propose), it does."""
-    proposer = NgramProposer() if method == "ngram" else DraftProposer(float_draft)
+    proposer = NgramProposer() if method == "ngram" else DraftProposer(draft)
     assert chi_square_p(draws(llama, proposer), unspeculated) > 0.01
     real_sample = sampler.sample
 
