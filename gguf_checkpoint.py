@@ -86,9 +86,9 @@ class Reader(GGUFReader):
     def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple:
         """gguf's, with an array's items read in one pass: a vocabulary's tokens, merges and
         token types are hundreds of thousands of items, which gguf reads as two numpy views
-        each (SmolLM2's file: 2.2 s by gguf's reading, in every process that opens it, for its
-        tokenizer and again for its weights). An item is a 1-element array (a number) or a memoryview (a
-        string's bytes), which ReaderField.contents reads as it reads gguf's own parts."""
+        each (SmolLM2's file: 2.2 s by gguf's reading, in every process that opens it, for
+        its tokenizer and again for its weights). An item is a 1-element array (a number) or
+        a memoryview (a string's bytes), which ReaderField.contents reads as gguf's own."""
         if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":  # "S": the file's bytes swapped
             return super()._get_field_parts(orig_offs, raw_type)
         head = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import block_quant
+import torchrun
 from block_quant import BlockLinear
 from conftest import DEMO, ROOT, SMOLLM2, TESTS_CXX
-import torchrun
 
 QTYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0]
 
