@@ -1,5 +1,5 @@
 """Builds of our C++ ops in processes of their own, for test_block_quant.py, forked by
-tests/torchrun.run_ranks (its zygote has imported torch: about a second of CPU a process):
+tests/torchrun.output_of (its zygote has imported torch: about a second of CPU a process):
 
     build_worker.py race SOURCE        cpp_ops.build of SOURCE (a race.cpp)
     build_worker.py kernels CFLAGS...  block_quant's kernels built with CFLAGS added (the fp32

@@ -1,5 +1,5 @@
 """FlexAttention in a process of its own, for test_attention.py, forked by
-tests/torchrun.run_ranks (its zygote has imported torch and our modules, and compiled nothing):
+tests/torchrun.output_of (its zygote has imported torch and our modules, and compiled nothing):
 
     flex_worker.py first-step FOLDER
         the process's first flex step decodes 16 rows (eager, on a pool of 128 blocks): prints

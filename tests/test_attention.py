@@ -218,9 +218,8 @@ def in_a_process(*args: str) -> str:
     """What tests/flex_worker.py with args prints, in a process of its own on one thread, as this
     one: inductor's cache keys hold the thread count, and the demo fixture's warm-up compiled
     the kernels on its pool (128 blocks); the graphs are the process's own."""
-    failed, output = torchrun.run_ranks([os.path.join(ROOT, "tests", "flex_worker.py"), *args],
-                                        dict(os.environ, OMP_NUM_THREADS="1"), 1, timeout=600)
-    assert not failed, output[-3000:]
+    output = torchrun.output_of(os.path.join(ROOT, "tests", "flex_worker.py"), *args,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
     return output.split()[-1]
 
 

@@ -314,9 +314,7 @@ def test_a_missing_compiler_is_named(monkeypatch):
 
 def in_processes(env: dict, n: int, *args: str) -> str:
     """tests/build_worker.py with args in n processes at once (each with env): their output."""
-    failed, output = torchrun.run_ranks([os.path.join(ROOT, "tests", "build_worker.py"), *args], env, n, timeout=600)
-    assert not failed, output[-3000:]
-    return output
+    return torchrun.output_of(os.path.join(ROOT, "tests", "build_worker.py"), *args, env=env, nproc=n)
 
 
 @pytest.mark.slow

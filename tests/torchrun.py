@@ -30,6 +30,15 @@ def run(script: str, nproc: int, out_dir, *args, timeout: int = 300, runtime_onl
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=True) for r in range(nproc)]
 
 
+def output_of(script: str, *args: str, env: dict, nproc: int = 1, timeout: int = 600) -> str:
+    """What `python script *args` prints (script: a path), in nproc processes at once forked
+    from this process's preloaded zygote (torch imported), each with env; asserts that none
+    failed."""
+    failed, output = run_ranks([script, *args], env, nproc, timeout)
+    assert not failed, output[-3000:]
+    return output
+
+
 def run_ranks(cmd: list, env: dict, nproc: int, timeout: int, preloaded: bool = True) -> tuple[str, str]:
     """Run nproc ranks of `python *cmd` with env (conftest's guard replaces this in the quick
     tier), forked by a tests/rank_zygote.py: preloaded, this process's, which has imported torch
