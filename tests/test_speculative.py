@@ -43,6 +43,8 @@ def plain(llama):
 
 @pytest.fixture(scope="module")
 def draft(llama):
+    """The int8 draft (its BlockLinear layers' kernels on the CPU), on a pool as large as the
+    model's: a block table addresses both."""
     runner = draft_model(DEMO, 1)
     runner.allocate(num_blocks=llama.runner.num_blocks)
     return runner
@@ -195,15 +197,6 @@ def chi_square_p(a: list, b: list) -> float:
 @pytest.fixture(scope="module")
 def unspeculated(llama):
     return draws(llama, None)
-
-
-@pytest.fixture(scope="module")
-def draft(llama):
-    """The int8 draft (its BlockLinear layers' kernels on the CPU), on a pool as large as the
-    model's: a block table addresses both."""
-    runner = draft_model(DEMO, 1)
-    runner.allocate(num_blocks=llama.runner.num_blocks)
-    return runner
 
 
 @pytest.mark.slow
