@@ -169,9 +169,11 @@ def parting(ours: list, theirs: list) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
 
 
-def start_demo_server(workdir, env: dict | None = None, faults: bool = False, tp: int = 2, **handler):
-    """A TorchServe (TP=2 on CPU, or tp ranks of one thread each) serving DEMO with the tests'
-    slots and context, its frontend and workers with the runtime requirements alone
+def start_demo_server(workdir, env: dict | None = None, faults: bool = False, tp: int = 2, weights: str = DEMO,
+                      **handler):
+    """A TorchServe (TP=2 on CPU, or tp ranks of one thread each) serving DEMO (or weights, a
+    checkpoint with DEMO's tokenizer) with the tests' slots and context, its frontend and
+    workers with the runtime requirements alone
     (tests/runtime.py); handler: more settings for model-config.yaml's handler section; env:
     more environment variables; faults: the handler is tests/fault_handler.py's, which injects
     tests/injected.py's faults."""
@@ -181,7 +183,7 @@ def start_demo_server(workdir, env: dict | None = None, faults: bool = False, tp
     tests = os.path.join(ROOT, "tests")
     files = {"handler_file": os.path.join(tests, "fault_handler.py"),
              "modules": (os.path.join(tests, "injected.py"),)} if faults else {}
-    return start_server(workdir, DEMO, tp=tp, env=environment(workdir, env or {}), batch_size=SERVER_SLOTS,
+    return start_server(workdir, weights, tp=tp, env=environment(workdir, env or {}), batch_size=SERVER_SLOTS,
                         threads=1, handler={"max_seq_len": SERVER_MAX_SEQ_LEN} | handler, **files)
 
 

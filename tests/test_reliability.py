@@ -20,7 +20,7 @@ import requests
 import torch
 
 import chat_format
-from conftest import ROOT, SERVER_SLOTS, start_demo_server
+from conftest import ROOT, SERVER_SLOTS, TOKENIZER, start_demo_server
 
 NATIVE, COMPLETIONS, CHAT = "", "/1.0/v1/completions", "/1.0/v1/chat/completions"
 ROUTES = {NATIVE: "native", COMPLETIONS: "completions", CHAT: "chat"}
@@ -523,14 +523,25 @@ KV_BLOCKS, LIMITED_SEQ_LEN = 8, 128
 
 
 @pytest.fixture(scope="module")
-def limited(tmp_path_factory, demo_llama):
+def small_llama(checkpoints):
+    """What the limited server serves, in this process (TP=1, a cache for every slot):
+    conftest's 2-layer checkpoint with DEMO's tokenizer, whose graphs compile in about half
+    the time of DEMO's 8 layers (the server started in 13.9 s against 24.6 s here)."""
+    from llama2 import tp_llama
+
+    return tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1, max_batch_size=SERVER_SLOTS,
+                    max_seq_len=LIMITED_SEQ_LEN)
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory, small_llama, checkpoints):
     """A second TorchServe whose handler.limits are small, its context and KV cache too, and
     which compiles its decode step (handler.compile), so that the compiled path is served end
     to end too. At TP=1: one rank compiles, where two compiled the same graphs (35.8 s of the
     suite's set-ups); compiled steps at TP=2, as served (cpp_wrapper), are test_tp.py's."""
-    kv_cache_bytes = KV_BLOCKS * demo_llama.runner.kv_block_bytes()
-    srv = start_demo_server(tmp_path_factory.mktemp("limited"), tp=1, limits=LIMITS, compile=True,
-                            kv_cache_bytes=kv_cache_bytes, max_seq_len=LIMITED_SEQ_LEN)
+    kv_cache_bytes = KV_BLOCKS * small_llama.runner.kv_block_bytes()
+    srv = start_demo_server(tmp_path_factory.mktemp("limited"), tp=1, weights=checkpoints["gqa"][1]["hf"],
+                            limits=LIMITS, compile=True, kv_cache_bytes=kv_cache_bytes, max_seq_len=LIMITED_SEQ_LEN)
     yield srv
     srv.stop(wait=False)
 
@@ -550,18 +561,18 @@ def refused(server, body, path, status, param, words):
     return error
 
 
-def test_compiled_server_answers_as_in_process(limited, demo_llama):
+def test_compiled_server_answers_as_in_process(limited, small_llama):
     prompts = ["The secret of a happy life is", "Once upon a time"]
     answers = limited.generate({"prompt": prompts, "max_new_tokens": 24, "temperature": 0})
-    assert answers == demo_llama.text_completion(prompts, 24, temperature=0)
+    assert answers == small_llama.text_completion(prompts, 24, temperature=0)
     assert "compiled the decode step" in limited.log()
 
 
-def test_preempted_requests_keep_their_prompt_logprobs(limited, demo_llama):
+def test_preempted_requests_keep_their_prompt_logprobs(limited, small_llama):
     """Two requests of two 39-token prompts each, echo and logprobs as lm-eval asks for
     loglikelihoods, on 8 KV blocks: their sequences preempt each other, and every answer,
     prompt logprobs included, is what the in-process model gives with a cache for all."""
-    a = prompt_of(demo_llama.tokenizer, 39)
+    a = prompt_of(small_llama.tokenizer, 39)
     b = " ".join("hgfedcba"[i % 8] for i in range(38))
     prompts = [[a, b], [b, a]]
     bodies = [{"prompt": p, "max_tokens": 32, "temperature": 0, "echo": True, "logprobs": 1, "ignore_eos": True}
@@ -573,7 +584,7 @@ def test_preempted_requests_keep_their_prompt_logprobs(limited, demo_llama):
     assert preemptions[-1] > (int(before[-1]) if before else 0), "no sequence was preempted"
     for r, body in zip(answers, bodies):
         assert r.status_code == 200, r.text
-        local = demo_llama.text_completion(body["prompt"], 32, temperature=0, logprobs=True, echo=True,
+        local = small_llama.text_completion(body["prompt"], 32, temperature=0, logprobs=True, echo=True,
                                            ignore_eos=True)
         for choice, want in zip(r.json()["choices"], local):
             values = choice["logprobs"]["token_logprobs"]
@@ -594,9 +605,9 @@ def test_limit_max_new_tokens(limited):
             "max_completion_tokens", [f"1 and {cap}"])
 
 
-def test_limit_prompt_tokens(limited, demo_llama):
+def test_limit_prompt_tokens(limited, small_llama):
     n = LIMITS["max_prompt_tokens"]
-    fits, over = prompt_of(demo_llama.tokenizer, n), prompt_of(demo_llama.tokenizer, n + 1)
+    fits, over = prompt_of(small_llama.tokenizer, n), prompt_of(small_llama.tokenizer, n + 1)
     assert limited.generate({"prompt": fits, "max_new_tokens": 2})["usage"]["prompt_tokens"] == n
     refused(limited, {"prompt": over, "max_new_tokens": 2}, NATIVE, 400, "prompt", [f"{n + 1} tokens", f"limit is {n}"])
     refused(limited, {"prompt": ["a", over], "max_new_tokens": 2}, COMPLETIONS, 400, "prompt[1]",
