@@ -29,29 +29,34 @@ TESTS_CXX = os.path.join(ROOT, "tests", "g++-O1")
 os.environ.setdefault("CXX", TESTS_CXX)
 os.environ.setdefault("TESTS_PYTHON", sys.executable)
 
-import make_checkpoint  # noqa: E402
-import torch  # noqa: E402
-import torchrun  # noqa: E402
-from torch._inductor.runtime.cache_dir_utils import cache_dir  # noqa: E402
-import local_server  # noqa: E402
 
-# Each pytest-xdist worker (`make test`) starts its servers, and the processes it runs theirs,
-# on a part of local_server.PORTS of its own: two servers starting at once never pick one port.
-if "PYTEST_XDIST_WORKER" in os.environ:
-    worker, workers = int(os.environ["PYTEST_XDIST_WORKER"][2:]), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
-    part = len(local_server.PORTS) // workers
-    local_server.PORTS = local_server.PORTS[worker * part:(worker + 1) * part]
-    os.environ["LOCAL_SERVER_PORTS"] = f"{local_server.PORTS[0]}-{local_server.PORTS[-1]}"
 
-# One inductor cache (FX graphs, compiled kernels) for this process and every rank it starts:
-# cache_dir() puts it (the default, or the one given) in TORCHINDUCTOR_CACHE_DIR, which
-# torchrun's and TorchServe's workers inherit. Without it a TorchServe's workers, whose TMPDIR
-# is the server's own folder, compiled every graph afresh, in every server.
-cache_dir()
-# The tests' models are tiny: their steps take a fraction of a millisecond on one thread, and
-# on two, while anything else runs on the machine (a server's ranks, another process), up to
-# 20 times longer. torchrun's ranks run on one thread too (tests/torchrun.py).
-torch.set_num_threads(1)
+def set_up_test_process():
+    """What a process that runs tests needs; pytest-xdist's controller, which only hands them
+    out, spent 2 s of the run's start importing torch (and dynamo) before starting its workers."""
+    import torch
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    import local_server
+
+    # Each pytest-xdist worker (`make test`) starts its servers, and the processes it runs
+    # theirs, on a part of local_server.PORTS of its own: two servers starting at once never
+    # pick one port.
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        worker, workers = int(os.environ["PYTEST_XDIST_WORKER"][2:]), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+        part = len(local_server.PORTS) // workers
+        local_server.PORTS = local_server.PORTS[worker * part:(worker + 1) * part]
+        os.environ["LOCAL_SERVER_PORTS"] = f"{local_server.PORTS[0]}-{local_server.PORTS[-1]}"
+    # One inductor cache (FX graphs, compiled kernels) for this process and every rank it
+    # starts: cache_dir() puts it (the default, or the one given) in TORCHINDUCTOR_CACHE_DIR,
+    # which torchrun's and TorchServe's workers inherit. Without it a TorchServe's workers,
+    # whose TMPDIR is the server's own folder, compiled every graph afresh, in every server.
+    cache_dir()
+    # The tests' models are tiny: their steps take a fraction of a millisecond on one thread,
+    # and on two, while anything else runs on the machine (a server's ranks, another process),
+    # up to 20 times longer. torchrun's ranks run on one thread too (tests/torchrun.py).
+    torch.set_num_threads(1)
+
 
 # --- tiers: `make test` runs every test, `make test-quick` those not marked slow -----------
 # A test is slow when it starts TorchServe or torchrun ranks, through one of these fixtures
@@ -61,6 +66,8 @@ TORCHSERVE_FIXTURES = {"server", "llama3_server", "own_server", "limited", "conf
 
 
 def pytest_configure(config):
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        set_up_test_process()
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's: groups in collection order
         config.option.loadscopereorder = False
     config.addinivalue_line("markers", "slow: starts TorchServe or torchrun ranks, compiles, or takes seconds "
@@ -104,13 +111,17 @@ def pytest_xdist_node_collection_finished(node, ids):
 
 
 def pytest_sessionfinish():
-    local_server.wait_for_stops()  # servers stopped with wait=False, on their threads
+    if local_server := sys.modules.get("local_server"):  # (not imported by pytest-xdist's controller)
+        local_server.wait_for_stops()  # servers stopped with wait=False, on their threads
 
 
 @pytest.fixture(autouse=True)
 def quick_tests_start_nothing(request, monkeypatch):
     if request.node.get_closest_marker("slow") is not None:
         return
+
+    import local_server
+    import torchrun
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"{request.node.nodeid} starts TorchServe or torchrun ranks: mark it slow")
@@ -144,6 +155,7 @@ CONFIGS = {"mha": (64, 2, 4, 4), "gqa": (64, 2, 8, 2)}
 
 
 def build(out_dir, name, layouts=("hf", "meta:1", "meta:2"), **kwargs):
+    import make_checkpoint
     from tokenizer import Tokenizer
 
     dim, layers, heads, kv_heads = CONFIGS[name]
@@ -303,6 +315,8 @@ def llama3(tmp_path_factory):
     """{name: (transformers reference model, {layout: folder})} for LLAMA3_CONFIGS, with
     Llama 3 tokenizers: Meta's tokenizer.model in Meta folders, tokenizer.json (+ the chat
     template) in Hugging Face folders."""
+    import make_checkpoint
+
     ranks = make_checkpoint.train_llama3_ranks(llama3_training_text(), LLAMA3_RANKS)
     ids = make_checkpoint.llama3_ids(LLAMA3_RANKS)
     out = {}
