@@ -2,6 +2,7 @@
 running `make serve`), its own pid file and key file, the repository's configs otherwise."""
 
 import collections
+import contextlib
 import json
 import os
 import random
@@ -179,7 +180,7 @@ class Server:
     def stop(self, wait: bool = True):
         """Stop TorchServe and wait until its processes are gone (killed after 30 s); wait=False:
         on a thread of its own, which wait_for_stops() joins (a server's processes take 3-10 s
-        to end, with nothing left for its tests to see)."""
+        to end, with nothing left for its tests to see), killing what is left."""
         if not wait:
             stopping = threading.Thread(target=self.stop, name=f"stop {self.workdir}")
             stopping.start()
@@ -192,9 +193,12 @@ class Server:
             procs = []
         subprocess.run([os.path.join(BIN, "torchserve"), "--stop"], cwd=self.workdir, env=self.env,
                        capture_output=True)
-        _, alive = psutil.wait_procs(procs, timeout=30)
-        for p in alive:
-            p.kill()
+        deadline = time.monotonic() + 30
+        while procs and time.monotonic() < deadline and not HURRY.is_set():
+            _, procs = psutil.wait_procs(procs, timeout=0.2)
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
 
     def frontend(self) -> psutil.Process | None:
         pid_file = os.path.join(self.tmp, ".model_server.pid")
@@ -250,11 +254,17 @@ class Server:
 
 
 STOPPING: list[threading.Thread] = []
+HURRY = threading.Event()  # wait_for_stops(): the stopping servers' processes are killed
 
 
 def wait_for_stops():
+    """Join the stops begun with wait=False, killing their servers' processes rather than
+    waiting the 4 s or so that TorchServe takes to end them (at the end of a test run, its
+    last seconds)."""
+    HURRY.set()
     while STOPPING:
         STOPPING.pop().join()
+    HURRY.clear()
 
 
 def start_server(workdir, weights, tp: int = 2, env: dict | None = None, timeout: float = 300, **build) -> Server:
