@@ -266,14 +266,33 @@ def gather_in_segment(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def eager_in_graphs():
-    """Inside a compiled step the segment's exchanges run eagerly (a graph break): they poll
-    the segment. Called before compiling (runner.compile_decode), not when this module is
-    imported: torch.compiler.disable imports torch._dynamo, 0.6 s of CPU in every process
-    that loads a model (a TorchServe worker, make serve's check), and most never compile."""
+def ops_in_graphs():
+    """Inside a compiled step the segment's exchanges are operators of their own (torch.library
+    custom ops, run as they are): a graph calls them in place. As graph breaks (two a layer)
+    they split a step into many graphs, compiled apart, with Python between them: the demo's
+    compiled TP=2 step took a third longer at one row and eight (docs/tuning-log.md), and
+    its first compile a third longer. Called before compiling (runner.compile_decode):
+    an eager call of an op costs about 8 us more than one of the function, two a layer."""
     global reduce_in_segment, gather_in_segment
-    reduce_in_segment = torch.compiler.disable(reduce_in_segment)
-    gather_in_segment = torch.compiler.disable(gather_in_segment)
+    reduce, gather = reduce_in_segment, gather_in_segment
+
+    @torch.library.custom_op("llama_tp::reduce_in_segment", mutates_args=("x",))
+    def reduce_op(x: torch.Tensor) -> None:
+        reduce(x)
+
+    @reduce_op.register_fake
+    def _(x):
+        return None
+
+    @torch.library.custom_op("llama_tp::gather_in_segment", mutates_args=())
+    def gather_op(x: torch.Tensor) -> torch.Tensor:
+        return gather(x)
+
+    @gather_op.register_fake
+    def _(x):
+        return x.new_empty(*x.shape[:-1], x.shape[-1] * _channel.world_size)
+
+    reduce_in_segment, gather_in_segment = reduce_op, gather_op
 
 
 # --- rank 0's messages to the other ranks (handler.py: each iteration's batch) --------------
