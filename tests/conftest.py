@@ -30,7 +30,6 @@ os.environ.setdefault("CXX", TESTS_CXX)
 os.environ.setdefault("TESTS_PYTHON", sys.executable)
 
 
-
 def set_up_test_process():
     """What a process that runs tests needs; pytest-xdist's controller, which only hands them
     out, spent 2 s of the run's start importing torch (and dynamo) before starting its workers."""
