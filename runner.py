@@ -8,7 +8,7 @@ import torch
 import collectives
 from attention import GatherAttention
 from batch import Batch, to_device
-from flex_attention import FlexAttention
+from flex_attention import FlexAttention, floats_as_constants
 from model import Transformer
 
 KV_BLOCK_SIZE = 16  # tokens per KV-cache block
@@ -169,6 +169,7 @@ class ModelRunner:
             options.setdefault("options", {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                                            "cpp_wrapper": cpp_wrapper and self.device.type == "cpu"})
         collectives.ops_in_graphs()
+        floats_as_constants()
         for layer in self.model.layers:  # only the activations' sizes vary, not the caches'
             for cache in (layer.attention.cache_k, layer.attention.cache_v):
                 torch._dynamo.mark_static(cache)
