@@ -131,13 +131,19 @@ def no_random_init():
         nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
-def load_model(args: ModelArgs, reader, world_size: int, device: torch.device, dtype: torch.dtype,
-               quantization: str | None, report) -> Transformer:
-    """This rank's shard of the model, built on the meta device and filled from reader."""
+def meta_shard(args: ModelArgs, world_size: int) -> Transformer:
+    """This rank's shard of the model on the meta device, before any weight is read: the
+    layers whose weights the weight plan names."""
     with torch.device("meta"), no_random_init():
         model = Transformer(args)
         parallelize_llama_attn_block(model, world_size)
-    model = model.to(dtype)
+    return model
+
+
+def load_model(args: ModelArgs, reader, world_size: int, device: torch.device, dtype: torch.dtype,
+               quantization: str | None, report) -> Transformer:
+    """This rank's shard of the model, built on the meta device and filled from reader."""
+    model = meta_shard(args, world_size).to(dtype)
     start = time.perf_counter()
     plan = weight_plan(model, collectives.tp_world()[0], world_size)
 

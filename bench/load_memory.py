@@ -77,20 +77,6 @@ class PeakSampler(threading.Thread):
 
 # --- one rank -----------------------------------------------------------------------------
 
-def unquantized_shard(params, world_size: int):
-    """The rank's shard as load_model builds it before quantizing (meta): the weight plan reads
-    its float layers, which a quantized model's BlockLinear ones are not."""
-    import torch
-
-    import llama2
-    import tp
-
-    with torch.device("meta"):
-        shard = llama2.Transformer(params)
-    tp.parallelize_llama_attn_block(shard, world_size)
-    return shard
-
-
 def measure(folder: str, out_dir: str, quantization: str):
     """Load folder with tp_llama on WORLD_SIZE ranks (this is one of them), quantized unless
     quantization is "none", and save this rank's figures to out_dir/rank{r}.json."""
@@ -133,7 +119,7 @@ def measure(folder: str, out_dir: str, quantization: str):
               "kv_cache": sum(t.numel() * t.element_size() for t in caches),
               "warm_up": warm["RssAnon"] - first_use["RssAnon"], "before": before, "after": after, "peak_anon": peak["RssAnon"], "peak_file": peak["RssFile"],
               "hwm": after["VmHWM"], "trimmed": trimmed["RssAnon"],
-              "spanned": spanned_bytes(folder, tp.weight_plan(unquantized_shard(model.params, world_size), rank,
+              "spanned": spanned_bytes(folder, tp.weight_plan(llama2.meta_shard(model.params, world_size), rank,
                                                               world_size))}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
