@@ -15,6 +15,7 @@ commands that define C10_USING_CUSTOM_GENERATED_MACROS, which only inductor's ha
   of appearance, and copied for each later source with the same hash.
 """
 
+import fcntl
 import hashlib
 import os
 import re
@@ -44,15 +45,19 @@ def build(args: list[str]) -> int:
     key = hashlib.sha256("\0".join([code, *command]).encode()).hexdigest()
     # beside inductor's own cache (the library's folder's folder): emptied with it
     kept = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(out))), "renamed_kernels", f"{key}.so")
-    if os.path.exists(kept):
-        shutil.copy(kept, out)
-        return 0
-    status = subprocess.call(["g++", *args])
-    if status == 0:  # written whole under its final name (processes may build the same at once)
-        os.makedirs(os.path.dirname(kept), exist_ok=True)
-        part = f"{kept}.{os.getpid()}"
-        shutil.copy(out, part)
-        os.replace(part, kept)
+    os.makedirs(os.path.dirname(kept), exist_ok=True)
+    # one build of a source at a time: inductor builds a graph's kernels at once, and a graph
+    # of two layers has two FlexAttention kernels alike
+    with open(f"{kept}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(kept):
+            shutil.copy(kept, out)
+            return 0
+        status = subprocess.call(["g++", *args])
+        if status == 0:  # under its final name only when whole
+            part = f"{kept}.{os.getpid()}"
+            shutil.copy(out, part)
+            os.replace(part, kept)
     return status
 
 
