@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import block_quant
 import torchrun
 from block_quant import BlockLinear
-from conftest import DEMO, ROOT, SMOLLM2, TESTS_CXX
+from conftest import DEMO, ROOT, SMOLLM2, TESTS_CXX, gguf_parsed_once
 
 QTYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0]
 
@@ -195,7 +195,8 @@ def test_smollm2_tensors_from_the_file():
     """The file's own Q4_1 projection and Q8_0 embedding, as gguf.GGUFReader gives them."""
     if not os.path.exists(SMOLLM2):
         pytest.skip(f"{SMOLLM2} is missing: make smollm2")
-    tensors = {t.name: t for t in gguf.GGUFReader(SMOLLM2).tensors}
+    with gguf_parsed_once():
+        tensors = {t.name: t for t in gguf.GGUFReader(SMOLLM2).tensors}
     for name, rows in (("blk.0.ffn_down.weight", slice(None)), ("token_embd.weight", slice(1000, 1100))):
         t = tensors[name]
         raw = t.data[rows]

@@ -18,7 +18,7 @@ from sentencepiece import SentencePieceProcessor, sentencepiece_model_pb2
 
 import chat_format
 import make_checkpoint
-from conftest import LLAMA3_RANKS, LLAMA3_TEMPLATE, SMOLLM2, TOKENIZER, llama3_training_text
+from conftest import LLAMA3_RANKS, LLAMA3_TEMPLATE, SMOLLM2, TOKENIZER, gguf_parsed_once, llama3_training_text
 from test_llama3 import STRINGS
 from tokenizer import GGUFTokenizer, TextStream, Tokenizer, write_tiktoken_ranks
 
@@ -50,7 +50,8 @@ DIALOGS = [
 def transformers_gguf(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    with gguf_parsed_once():
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
 def write_gguf(path, metadata: dict):
