@@ -51,14 +51,20 @@ def build(args: list[str]) -> int:
     with open(f"{kept}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.exists(kept):
-            shutil.copy(kept, out)
+            copy(kept, out)
             return 0
         status = subprocess.call(["g++", *args])
-        if status == 0:  # under its final name only when whole
-            part = f"{kept}.{os.getpid()}"
-            shutil.copy(out, part)
-            os.replace(part, kept)
+        if status == 0:
+            copy(out, kept)
     return status
+
+
+def copy(source: str, target: str):
+    """source's bytes in a new file under target's name, once whole: a process that loaded the
+    library there before keeps its own (writing over it in place changes a mapped library)."""
+    part = f"{target}.{os.getpid()}"
+    shutil.copy(source, part)
+    os.replace(part, target)
 
 
 if __name__ == "__main__":
