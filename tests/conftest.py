@@ -152,17 +152,19 @@ def gguf_parsed_once():
 
 
 class NumpyReadingWholeFiles:
-    """numpy, whose memmap(path) reads the file into an array (gguf's reader maps it read-only)."""
+    """numpy, whose memmap(path) reads the file into an array (gguf's reader maps it read-only):
+    gguf's own parsing code still reads the file, not ours (gguf_checkpoint.Reader)."""
+
+    def __init__(self):
+        import numpy
+        self.numpy = numpy
 
     def __getattr__(self, name: str):
-        import numpy
-        return getattr(numpy, name)
+        return getattr(self.numpy, name)
 
-    @staticmethod
-    def memmap(path, mode: str = "r"):
-        import numpy
+    def memmap(self, path, mode: str = "r"):
         assert mode == "r", mode
-        data = numpy.fromfile(path, dtype=numpy.uint8)
+        data = self.numpy.fromfile(path, dtype=self.numpy.uint8)
         data.flags.writeable = False
         return data
 
