@@ -30,9 +30,11 @@ def build_mar(config: str, export_path: str, weights: str | None = None, name: s
             shutil.copytree(weights, os.path.join(stage, "weights"))
             extra.append(stage)
         archiver = os.path.join(os.path.dirname(sys.executable), "torch-model-archiver")
-        # the archiver stages its files in $TMPDIR/<name>: a private TMPDIR keeps builds apart
+        # the archiver stages its files in $TMPDIR/<name>: a private TMPDIR keeps builds apart.
+        # zip-store: a zip without compression. Weights barely deflate (the demo's 17 MB to
+        # 13.7), and deflating them took 1.1 s of the archive's 1.2 (0.1 s stored).
         subprocess.run([archiver, "--model-name", name, "--version", "1.0",
-                        "--handler", handler, "--extra-files", ",".join(extra),
+                        "--handler", handler, "--extra-files", ",".join(extra), "--archive-format", "zip-store",
                         "--config-file", config, "--export-path", export_path, "--force"], check=True,
                        env=dict(os.environ, TMPDIR=stage))
     return os.path.join(export_path, f"{name}.mar")
