@@ -362,10 +362,11 @@ def test_responses_and_messages_requests(tokenizer, route, data, context):
 @pytest.mark.slow  # thousands of examples
 def test_fuzzing_the_new_apis_reaches_both_outcomes(tokenizer):
     """The new routes' strategies produce accepted requests and refusals of many kinds (about
-    one count_tokens body in 45 is accepted: 1200 examples give each route about 400)."""
+    one count_tokens body in 45 is accepted: 600 examples give each route about 200; these
+    draws, derandomized, gave each route 12 outcomes or more, an acceptance among them)."""
     outcomes = {"responses": set(), "messages": set(), "count_tokens": set()}
 
-    @settings(max_examples=1200, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=600, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(route=st.sampled_from(sorted(outcomes)), data=st.data())
     def collect(route, data):
@@ -452,10 +453,11 @@ def read_and_run(route: str, raw: bytes, tokenizer, context):
 def test_fuzzing_reaches_both_outcomes(tokenizer):
     """The strategies are worth their time: they produce accepted requests as well as refusals
     of many kinds, on both APIs. About one native body in 25 is accepted since messages may
-    carry role and content alone: 1000 examples give each route about 330."""
+    carry role and content alone: 400 examples give each route about 130; these draws,
+    derandomized, gave each route 9 outcomes or more, an acceptance among them."""
     outcomes = {"native": set(), "completions": set(), "chat": set()}
 
-    @settings(max_examples=1000, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=400, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(route=st.sampled_from(sorted(outcomes)), data=st.data())
     def collect(route, data):
