@@ -15,7 +15,7 @@ import generate
 import quant
 import model
 from model import (ARCHITECTURE_FIELDS, Attention, FeedForward, ModelArgs, RMSNorm, TransformerBlock, apply_rotary_emb,
-                   precompute_freqs_cis, repeat_kv)
+                   precompute_freqs_cis, repeat_kv, to_empty)
 from runner import ModelRunner
 from tokenizer import Tokenizer
 from tp import init_distributed, parallelize_llama_attn_block, weight_plan
@@ -153,7 +153,7 @@ def load_model(args: ModelArgs, reader, world_size: int, device: torch.device, d
     if quantization:
         read = quant.load_quantized(model, reader, plan, device, quantization, progress=on_read)
     else:
-        model = model.to_empty(device=device)
+        model = to_empty(model, device)
         model.tie_weights()
         read = reader.load_into(model, plan, progress=on_read)
     quantized = {"quantization": quantization} if quantization else {}

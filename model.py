@@ -186,6 +186,14 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def to_empty(module: nn.Module, device, recurse: bool = True) -> nn.Module:
+    """module.to_empty(device=device): its meta tensors allocated on device, not filled.
+    torch's own runs empty_like's Python reference on each meta tensor, whose first call
+    imports torch.fx.experimental.symbolic_shapes: 0.3 s of CPU at every worker's start,
+    where nothing else a worker that does not compile runs imports it."""
+    return module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device), recurse=recurse)
+
+
 class Transformer(nn.Module):
     def __init__(self, params: ModelArgs):
         super().__init__()

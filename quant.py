@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from block_quant import BLOCK, GGUF_BLOCK_BYTES, BlockLinear
+from model import to_empty
 
 MODES = ("int8", "int4", "fp8")
 FP8_MAX = 448.0  # the largest float8_e4m3fn
@@ -244,7 +245,7 @@ def load_quantized(model: nn.Module, reader, plan: dict, device: torch.device, m
 
     def fill(name: str, module: nn.Module):
         nonlocal read
-        module.to_empty(device=device, recurse=False)
+        to_empty(module, device, recurse=False)
         read += reader.load_into(module, {k: plan[f"{name}.{k}"] for k, _ in module.named_parameters(recurse=False)})
         if progress:
             progress(read)
