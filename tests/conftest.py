@@ -98,10 +98,7 @@ def pytest_collection_modifyitems(items):
         item.group = "server" if "server" in fixtures else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(item.group))
     rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
-    # then the other groups with slow tests, then the quick ones (a second or so each), which
-    # fill the end: a 9 s module handed out last kept one worker busy 8 s after the other's end
-    slow = {item.group for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: (rank.get(item.group, len(rank)), item.group not in slow))  # stable
+    items.sort(key=lambda item: rank.get(item.group, len(rank)))  # stable: the rest as collected
 
 
 def pytest_xdist_node_collection_finished(node, ids):
