@@ -81,8 +81,10 @@ def greedy_by_transformers(model, ids: list[int], candidate: list[int], stops: s
     with torch.no_grad():
         logits = model(torch.tensor([ids + candidate]), logits_to_keep=len(candidate) + 1).logits[0]
     picked = logits.argmax(-1).tolist()
-    if picked[:len(candidate)] == candidate and (len(candidate) == NEW_TOKENS or picked[-1] in stops):
-        return candidate + picked[len(candidate):][:NEW_TOKENS - len(candidate)]
+    if len(candidate) == NEW_TOKENS and picked[:-1] == candidate:
+        return candidate
+    if picked[:-1] == candidate and picked[-1] in stops:
+        return picked  # the answer and the stop token that ends it
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
     return out[0, len(ids):].tolist()
