@@ -3,6 +3,8 @@ of blocks per layer, attached to each Attention), turns the engine's Batch into 
 network's inputs and attention metadata (attention.py, the one place an attention backend
 plugs in), compiles the decode step and captures and replays its CUDA graphs."""
 
+import weakref
+
 import torch
 
 import collectives
@@ -22,6 +24,10 @@ KV_BLOCK_SIZE = 16  # tokens per KV-cache block
 # Auto on CUDA is sdpa until bench/gpu_check.sh has measured flex there.
 ATTENTION = ("auto", "flex", "sdpa")
 FLEX_FROM_TOKENS = 2048
+# The runner whose graphs torch.compile holds: they are cached on Transformer.forward's code,
+# which every model in the process shares, and compile_decode skips the guards on modules
+# that would tell two models apart.
+compiled_runner: weakref.ref | None = None
 
 
 class ModelRunner:
@@ -145,8 +151,9 @@ class ModelRunner:
         removes most of the per-operation overhead, and compile it now rather than in the
         first requests. Shapes are dynamic, so that growing block tables do not recompile;
         one row and several rows compile a graph each (a table of one block is padded to two).
-        Meant for one model per process: torch.compile's recompile limit (8) counts every
-        model's graphs.
+        Meant for one model per process: the graphs of a model compiled before this one are
+        dropped and that model runs eager from then on (with the guards on modules skipped,
+        they would run on this one's modules: KeyError on a weight one has and the other not).
 
         cuda_graphs: also replay each decode step from a CUDA graph (mode "reduce-overhead"),
         so that a GPU step costs its weights' bytes rather than hundreds of kernel launches.
@@ -168,6 +175,12 @@ class ModelRunner:
             # after this, and checking them took 0.64 ms of a one-row SmolLM2 step (0.07 without)
             options.setdefault("options", {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
                                            "cpp_wrapper": cpp_wrapper and self.device.type == "cpu"})
+        global compiled_runner
+        earlier = compiled_runner and compiled_runner()
+        if earlier is not None and earlier is not self:
+            earlier.compiled_decode = earlier.decode_buckets = None
+        torch._dynamo.reset()
+        compiled_runner = weakref.ref(self)
         collectives.ops_in_graphs()
         floats_as_constants()
         for layer in self.model.layers:  # only the activations' sizes vary, not the caches'

@@ -132,7 +132,6 @@ def in_process(name: str, hf, folder: str, reps: int) -> dict:
             runner = load(quantization).runner
         result["step_bytes"][quantization] = step_bytes(runner.model)
         if compiled:
-            torch._dynamo.reset()  # compile_decode is meant for one model per process
             start = time.perf_counter()
             runner.compile_decode()  # compiles its three graphs before it returns
             result["compile_s"][quantization] = time.perf_counter() - start

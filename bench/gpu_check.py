@@ -177,7 +177,6 @@ def graphs(dry: bool) -> bool:
                                     max_seq_len=MAX_SEQ_LEN, quantization=mode).runner
             assert model.device.type == device.type
             eager = decode(model)
-            torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
             start = time.perf_counter()
             model.compile_decode(cuda_graphs=True)
@@ -266,7 +265,6 @@ def speed(dry: bool, quantization: str, modes: list[str]) -> bool | None:
           f"device copy {copy_bandwidth(device):.0f} GB/s")
     for mode in modes:
         if mode != "eager":
-            torch._dynamo.reset()
             start = time.perf_counter()
             runner.compile_decode(cuda_graphs=mode == "graphs")  # compiles (and captures) before it returns
             print(f"compile_decode({'cuda_graphs=True' if mode == 'graphs' else ''}): "

@@ -113,7 +113,6 @@ def test_carried_tokens_reach_the_cuda_graph_steps(checkpoints):
     compiled on the CPU) take the carried tokens too: the same tokens as without."""
     import torch
 
-    torch._dynamo.reset()  # one compiled model per process (runner.compile_decode)
     # a 2-layer model (the demo's tokenizer): dynamo traces every layer of each graph
     graphs = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1, max_batch_size=4, max_seq_len=256)
     try:

@@ -157,39 +157,47 @@ def test_flex_at_tp2_gives_tp1_tokens(sdpa_runs, tmp_path):
         assert rank == sdpa_runs
 
 
-@pytest.mark.slow  # torch.compile
-@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
-def test_compiled_auto_switches_backends_as_eager_sdpa_does(checkpoints, quantization):
-    """compile_decode() with auto: decode steps of 8 rows with long contexts (flex) and of one
-    short row (sdpa), in turns, give the eager gather + SDPA logits (an MHA model: there,
-    without flex's graphs compiled first, inductor failed to compile them), unquantized and
-    with each QUANT's layers (on the CPU: block_quant's kernels, opaque ops in the graph)."""
-    import torch
-
-    runner = llama2.tp_llama(None, checkpoints["mha"][1]["hf"], TOKENIZER, 1, max_batch_size=8, max_seq_len=512,
-                             attention="sdpa", quantization=quantization).runner
-    assert (quantization is None) == (not any(isinstance(m, BlockLinear) for m in runner.model.modules()))
+def compiled_auto_decode_steps(runner) -> list:
+    """Decode steps of 8 rows with long contexts (auto's flex) and of one short row (sdpa), in
+    turns."""
     vocab, size = runner.vocab_size, runner.block_size
+    out = []
+    for step in range(4):
+        rows, position = (8, 300 + step) if step % 2 == 0 else (1, 40 + step)
+        batch = Batch([], [], [])
+        for row in range(rows):
+            table = list(range(row * 32, row * 32 + position // size + 1))
+            batch.add([(7 * step + row) % (vocab - 3) + 3], position, table, size, decode=True)
+        out.append(runner.forward_batch(batch))
+    return out
 
-    def decode_steps() -> list:
-        out = []
-        for step in range(4):
-            rows, position = (8, 300 + step) if step % 2 == 0 else (1, 40 + step)
-            batch = Batch([], [], [])
-            for row in range(rows):
-                table = list(range(row * 32, row * 32 + position // size + 1))
-                batch.add([(7 * step + row) % (vocab - 3) + 3], position, table, size, decode=True)
-            out.append(runner.forward_batch(batch))
-        return out
 
-    eager = decode_steps()
-    torch._dynamo.reset()
-    runner.attention = "auto"
-    runner.compile_decode()
-    runner.attach_cache(runner.num_blocks)  # zeroed, as the eager steps saw it
-    compiled = decode_steps()
-    for i, (a, b) in enumerate(zip(eager, compiled)):
-        assert max_diff(a, b) <= 1e-4, f"step {i}"
+@pytest.mark.slow  # torch.compile
+def test_compiled_auto_switches_backends_as_eager_sdpa_does(checkpoints):
+    """compile_decode() with auto: compiled_auto_decode_steps give the eager gather + SDPA
+    logits (an MHA model: there, without flex's graphs compiled first, inductor failed to
+    compile them), unquantized and with each QUANT's layers (on the CPU: block_quant's kernels,
+    opaque ops in the graph). The three models compile in turn in this process: each compile
+    drops the graphs before it (which, without guards on modules, would run on its modules
+    and fail), and the model compiled before runs eager, as it did before compiling."""
+    earlier = None
+    for quantization in (None, "int8", "int4"):
+        runner = llama2.tp_llama(None, checkpoints["mha"][1]["hf"], TOKENIZER, 1, max_batch_size=8,
+                                 max_seq_len=512, attention="sdpa", quantization=quantization).runner
+        assert (quantization is None) == (not any(isinstance(m, BlockLinear) for m in runner.model.modules()))
+        eager = compiled_auto_decode_steps(runner)
+        runner.attention = "auto"
+        runner.compile_decode()
+        runner.attach_cache(runner.num_blocks)  # zeroed, as the eager steps saw it
+        compiled = compiled_auto_decode_steps(runner)
+        for i, (a, b) in enumerate(zip(eager, compiled)):
+            assert max_diff(a, b) <= 1e-4, f"{quantization}, step {i}"
+        if earlier is not None:
+            assert earlier[0].compiled_decode is None
+            earlier[0].attach_cache(earlier[0].num_blocks)
+            for i, (a, b) in enumerate(zip(earlier[1], compiled_auto_decode_steps(earlier[0]))):
+                assert max_diff(a, b) <= 1e-4, f"the model before {quantization}, step {i}"
+        earlier = runner, eager
 
 
 @pytest.mark.slow  # a TorchServe

@@ -45,7 +45,6 @@ def test_bucketed_graph_steps_equal_eager(checkpoints, attention):
     model = llama2.tp_llama(None, checkpoints["gqa"][1]["hf"], TOKENIZER, 1, max_batch_size=MAX_BATCH,
                             max_seq_len=MAX_SEQ_LEN, attention="sdpa").runner
     eager = decode(model)
-    torch._dynamo.reset()  # one compiled model per process (runner.compile_decode)
     model.attention = attention
     model.compile_decode(cuda_graphs=True)
     assert model.decode_buckets == ([1, 2, 4, 8], [4, 5])  # rows; blocks of 16 tokens
