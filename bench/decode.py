@@ -337,7 +337,6 @@ def main():
             hf, folder = build(name, os.path.join(tmp, name))
             results[name] = in_process(name, hf, folder, a.reps)
             del hf
-            torch._dynamo.reset()  # the next model's graphs must not count against this one's recompile limit
             if not a.no_tp:
                 tp[name] = [tp_run(folder, ranks, threads, a.reps) for ranks, threads in TP_CONFIGS]
     text = section(info, bw, cold, results, tp, time.perf_counter() - start)
