@@ -244,7 +244,7 @@ def test_a_recursive_template_is_refused_at_its_own_depth_whatever_pythons_limit
     runaway = with_template(tokenizers["template"], "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}")
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(5_000)
-    gc.collect()  # not a collection of what earlier tests left in this process (0.74 s of CPU seen)
+    gc.collect()  # the bound is the rendering's, not a collection of what earlier tests left (0.74 s seen)
     gc.disable()
     try:
         cpu = time.thread_time()
