@@ -34,8 +34,13 @@ check-java:
 	touch $@
 
 .venv/.test: .venv/.runtime requirements-test.txt
-	$(PY) -m pip install -q -r requirements-test.txt
+	$(PY) -m pip install -q --no-compile -r requirements-test.txt
 	touch $@
+
+# The test packages come without their bytecode (pip compiles 19,000 files, of which the suite
+# imports a third): the tests' processes write it for what they import, where
+# PYTHONDONTWRITEBYTECODE would have every process compile those modules again.
+TEST_PY := env -u PYTHONDONTWRITEBYTECODE $(PY)
 
 install: check-java .venv/.runtime
 
@@ -68,7 +73,7 @@ $(LLAMACPP)/build/bin/llama-server: | .venv/.runtime
 
 # Reproduces demo/ (needs the test packages and Debian's fortunes); the result ships in the repository.
 demo-model: .venv/.test
-	$(PY) tools/train_demo.py --out demo
+	$(TEST_PY) tools/train_demo.py --out demo
 
 $(BUILD)/model-config.yaml: model-config.yaml tools/configure.py .venv/.runtime $(filter $(SMOLLM2),$(CKPT)) FORCE
 	$(PY) tools/configure.py --out $@.new --tp $(TP) $(if $(THREADS),--threads $(THREADS)) $(if $(QUANT),--quant $(QUANT)) \
@@ -98,21 +103,21 @@ stop:
 # Tests run on WORKERS processes (pytest-xdist): a test waiting on a server leaves the other core to another.
 WORKERS ?= 2
 test: check-java .venv/.test $(SMOLLM2)
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=15 -m "not combinations" tests
+	$(TEST_PY) -m pytest -q -n $(WORKERS) --dist loadgroup --durations=15 -m "not combinations" tests
 
 # Every QUANT x handler.compile x handler.attention, for SmolLM2 and the demo (tests/test_combinations.py).
 test-combinations: .venv/.test $(SMOLLM2)
-	$(PY) -m pytest -q -n $(WORKERS) --dist load --durations=10 -m combinations tests
+	$(TEST_PY) -m pytest -q -n $(WORKERS) --dist load --durations=10 -m combinations tests
 
 # The edit loop's tier: in-process tests only (no TorchServe, torchrun or torch.compile).
 test-quick: .venv/.test $(SMOLLM2)
-	$(PY) -m pytest -q -n 2 -m "not slow" tests
+	$(TEST_PY) -m pytest -q -n 2 -m "not slow" tests
 
 bench: .venv/.test
-	$(PY) bench/decode.py
+	$(TEST_PY) bench/decode.py
 
 bench-serving: .venv/.test
-	$(PY) bench/serving_load.py --compare
+	$(TEST_PY) bench/serving_load.py --compare
 
 clean:
 	rm -rf build model_store logs key_file.json .pytest_cache
