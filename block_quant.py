@@ -11,8 +11,9 @@ the rows (a decode step's sequences, a prompt's tokens):
     and scaled in fp32;
   from BF16_ROWS, on a CPU with AMX, in bf16: x and the weights rounded to bf16, products
     summed in fp32, in tile products that dequantize each weight once for all rows;
-and above KERNEL_MAX_ROWS dequantizes the weight to bf16 for F.linear (oneDNN, AMX on this
-machine). So from BF16_ROWS rows on, a row is computed in bf16, as a long prompt always was.
+and above KERNEL_MAX_ROWS dequantizes the weight for F.linear (oneDNN), in LINEAR_DTYPE: bf16
+where the CPU multiplies bf16 itself (AVX512-BF16; AMX), fp32 elsewhere. So with AMX a row is
+computed in bf16 from BF16_ROWS rows on, as a long prompt always was; without AVX512-BF16, in fp32.
 The ops (torch.ops.block_quant.*) are built on first use by torch.utils.cpp_extension, cached
 across processes in TORCH_EXTENSIONS_DIR, and have fake implementations for torch.compile.
 """
@@ -60,7 +61,11 @@ BF16_ROWS = {4: 7, 8: 8}
 # tip on last bits, so that a compiled worker's greedy answer can part from eager's at no near
 # tie (docs/quantization.md), where with x in fp32 their margins agree within 1.3e-5.
 INT8_X = False
-# Weights dequantized at once on the F.linear path: 4 MB of bf16, which the allocator reuses and
+# F.linear's dtype above KERNEL_MAX_ROWS. oneDNN's bf16 products are its own instructions only
+# with AVX512-BF16 (or AMX); elsewhere it converts, and fp32 is faster: on an AMD EPYC with AVX2
+# alone, 64 rows times a 256 x 32000 weight took 124 ms in bf16 against 20 ms in fp32.
+LINEAR_DTYPE = torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
+# Weights dequantized at once on the F.linear path: 2M of them (4 MB of bf16), which the allocator reuses and
 # the caches hold. A whole 576 x 49152 output projection (57 MB) took 35 ms for 16 rows, against
 # 9 ms in slices, most of it page faults of the fresh buffer.
 DEQUANTIZE_SLICE = 2**21
@@ -128,13 +133,13 @@ class BlockLinear(nn.Module):
             else:
                 out = torch.ops.block_quant.linear_q8(x2.float(), self.qweight, self.scales, BF16_ROWS[8], INT8_X)
         else:
-            out = self.bf16_linear(x2)
+            out = self.dequantized_linear(x2)
         return out.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
-    def bf16_linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x (M, in) @ w.T in bfloat16, by F.linear on the weight dequantized in slices of rows."""
-        xb, step = x.to(torch.bfloat16), max(1, DEQUANTIZE_SLICE // self.in_features)
-        return torch.cat([F.linear(xb, self.dequantize(torch.bfloat16, slice(n, n + step)))
+    def dequantized_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x (M, in) @ w.T in LINEAR_DTYPE, by F.linear on the weight dequantized in slices of rows."""
+        xd, step = x.to(LINEAR_DTYPE), max(1, DEQUANTIZE_SLICE // self.in_features)
+        return torch.cat([F.linear(xd, self.dequantize(LINEAR_DTYPE, slice(n, n + step)))
                           for n in range(0, self.out_features, step)], -1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:

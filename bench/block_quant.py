@@ -6,7 +6,8 @@
 For each weight (in_features K, out_features N) and rows M of x, µs per call of:
   q4, q8        our kernels in fp32 (torch.ops.block_quant.linear_q4 / linear_q8, bf16_rows past 16)
   q4i8, q8i8    the same with x in int8 blocks (int8_x), summed in int32
-  deq+bf16      what BlockLinear does above KERNEL_MAX_ROWS: dequantize_q4 to bf16 (in 4 MB slices), F.linear
+  deq+linear    what BlockLinear does above KERNEL_MAX_ROWS: dequantize_q4 to LINEAR_DTYPE (bf16 with
+                AVX512-BF16, else fp32) in slices, F.linear
   int4          torch's _weight_int4pack_mm_for_cpu (bf16 x, bf16 scales and zeros: QUANT=int4)
   int8          torch's _weight_int8pack_mm (bf16 x, one scale per output channel: QUANT=int8)
   fp32, bf16    F.linear on the weight in that dtype (converted once, before timing)
@@ -35,7 +36,7 @@ import block_quant  # noqa: E402
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # SmolLM2: q/k/v, o, gate/up, down, vocab
 ROWS = [1, 2, 4, 8, 16, 64, 512]
-COLUMNS = ["q4", "q4i8", "q8", "q8i8", "deq+bf16", "int4", "int8", "fp32", "bf16"]
+COLUMNS = ["q4", "q4i8", "q8", "q8i8", "deq+linear", "int4", "int8", "fp32", "bf16"]
 FP32 = block_quant.KERNEL_MAX_ROWS + 1  # the kernels' bf16_rows: never in bf16
 
 
@@ -75,7 +76,7 @@ def variants(K: int, N: int, M: int) -> dict:
         "q4i8": lambda: ops.linear_q4(x, q4.qweight, q4.scales, q4.offsets, FP32, True),
         "q8": lambda: ops.linear_q8(x, q8.qweight, q8.scales, FP32, False),
         "q8i8": lambda: ops.linear_q8(x, q8.qweight, q8.scales, FP32, True),
-        "deq+bf16": lambda: q4.bf16_linear(x),
+        "deq+linear": lambda: q4.dequantized_linear(x),
         "int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, int4, 32, zeros),
         "int8": lambda: torch.ops.aten._weight_int8pack_mm(xb, int8, int8_scales),
         "fp32": lambda: F.linear(x, w),

@@ -218,12 +218,20 @@ def test_cat_fuses_rows():
         BlockLinear.cat([pieces[0], BlockLinear.from_weight(weight(4, cols), 8)])
 
 
+def test_long_inputs_are_multiplied_in_bf16_only_where_the_cpu_has_its_instructions():
+    """oneDNN emulates bf16 products without AVX512-BF16 (6x slower than fp32 on an AVX2 EPYC)."""
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    assert block_quant.LINEAR_DTYPE == (torch.bfloat16 if "avx512_bf16" in flags else torch.float32)
+
+
 @pytest.mark.parametrize("int8_x", [False, True])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_forward_shapes_dtypes_and_the_bf16_path(bits, int8_x, monkeypatch):
     """forward: any leading shape, float32 or bfloat16 (computed by the kernels below BF16_ROWS
     rows, with x in int8 blocks as INT8_X says, in bf16 from there up to KERNEL_MAX_ROWS where
-    there is AMX, in bf16 by F.linear above, on slices of 16 rows here), output in x's dtype."""
+    there is AMX, by F.linear above in LINEAR_DTYPE (each tried), on slices of 16 rows here),
+    output in x's dtype."""
     monkeypatch.setattr(block_quant, "DEQUANTIZE_SLICE", 16 * 256)
     monkeypatch.setattr(block_quant, "INT8_X", int8_x)
     layer = BlockLinear.from_weight(weight(40, 256), bits)
@@ -240,10 +248,17 @@ def test_forward_shapes_dtypes_and_the_bf16_path(bits, int8_x, monkeypatch):
         want = kernel(layer, few.bfloat16().float().view(-1, 256), bf16, int8_x and rows < first)
         assert torch.equal(out, want.view(out.shape).bfloat16())
     many = torch.randn(block_quant.KERNEL_MAX_ROWS + 1, 256)
-    for x in (many, many.bfloat16()):
-        out = layer(x)
-        assert out.dtype == x.dtype
-        assert torch.equal(out, F.linear(x.bfloat16(), w.bfloat16()).to(x.dtype))
+    for dtype in (torch.bfloat16, torch.float32):
+        monkeypatch.setattr(block_quant, "LINEAR_DTYPE", dtype)
+        for x in (many, many.bfloat16()):
+            out = layer(x)
+            assert out.dtype == x.dtype
+            want = F.linear(x.to(dtype), w.to(dtype)).to(x.dtype)
+            if dtype == torch.bfloat16:
+                assert torch.equal(out, want)
+            else:  # a slice of the weight's rows can take another fp32 kernel, whose sums end otherwise
+                tolerance = 2**-8 if x.dtype == torch.bfloat16 else 1e-6  # bf16's half unit, or fp32's
+                torch.testing.assert_close(out, want, rtol=tolerance, atol=tolerance)
     assert torch.equal(layer.dequantize(torch.bfloat16), w.bfloat16())
     assert layer(torch.randn(0, 256)).shape == (0, 40)  # an empty batch
 
