@@ -6,9 +6,7 @@ answers; and what TorchServe's token check means for each client's key."""
 
 import json
 
-import anthropic
 import jsonschema
-import openai
 import pytest
 from pydantic import Field
 from typing_extensions import Annotated
@@ -23,6 +21,10 @@ PERSON = {"type": "object", "required": ["name", "age"], "additionalProperties":
 
 @pytest.fixture(scope="module")
 def client(server):
+    # The clients are imported where they are used: every test here needs a server, and importing
+    # them took 3 s of CPU in each pytest worker's collection, make test-quick's included.
+    import openai
+
     return openai.OpenAI(base_url=f"{server.url}/predictions/llama/1.0/v1", api_key=server.key, max_retries=0)
 
 
@@ -30,6 +32,8 @@ def client(server):
 def claude(server):
     """The anthropic client as this server needs it: TorchServe checks the Authorization
     header itself, so the key goes as auth_token (Authorization: Bearer), not api_key."""
+    import anthropic
+
     return anthropic.Anthropic(base_url=f"{server.url}/predictions/llama/1.0", auth_token=server.key, api_key=None,
                                max_retries=0)
 
@@ -95,6 +99,8 @@ def test_responses_stream_adds_up_to_create(client):
 
 
 def test_responses_are_not_stored(client):
+    import openai
+
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="llama", input="Hi", store=True)
     assert e.value.body["param"] == "store"
@@ -107,6 +113,7 @@ def test_agents_sdk_runs_an_agent_with_a_tool(server):
     """The OpenAI Agents SDK's loop over /v1/responses: the model is made to call the tool
     (tool_choice required, which the SDK resets to auto once it has), the SDK runs it and
     sends its output back, and the next answer, text, is the final output."""
+    import openai
     from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 
     set_tracing_disabled(True)  # the SDK would send traces to OpenAI
@@ -171,6 +178,8 @@ def test_messages_stream_adds_up_to_create_and_count_tokens_to_usage(claude):
 
 
 def test_messages_errors_in_anthropics_shape(claude):
+    import anthropic
+
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="llama", max_tokens=30, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "http://x"}}]}])
@@ -184,6 +193,8 @@ def test_the_key_goes_in_authorization(server):
     """TorchServe 0.12.0 reads the key from the Authorization header alone and refuses a
     request without it before the handler sees it: an x-api-key header alone gets its 400.
     The anthropic client (2.17.0) sends api_key as Authorization: Bearer, as it does auth_token."""
+    import anthropic
+
     with_key = anthropic.Anthropic(base_url=f"{server.url}/predictions/llama/1.0", api_key=server.key, max_retries=0)
     assert with_key.messages.create(model="llama", max_tokens=5, messages=MESSAGES).content
     body = {"model": "llama", "max_tokens": 5, "messages": MESSAGES}
