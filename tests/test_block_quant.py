@@ -257,7 +257,7 @@ def test_forward_shapes_dtypes_and_the_bf16_path(bits, int8_x, monkeypatch):
             if dtype == torch.bfloat16:
                 assert torch.equal(out, want)
             else:  # a slice of the weight's rows can take another fp32 kernel, whose sums end otherwise
-                tolerance = 2**-8 if x.dtype == torch.bfloat16 else 1e-6  # bf16's half unit, or fp32's
+                tolerance = 2**-7 if x.dtype == torch.bfloat16 else 1e-5  # a bf16 rounding tipped, or fp32's
                 torch.testing.assert_close(out, want, rtol=tolerance, atol=tolerance)
     assert torch.equal(layer.dequantize(torch.bfloat16), w.bfloat16())
     assert layer(torch.randn(0, 256)).shape == (0, 40)  # an empty batch
