@@ -13,14 +13,13 @@ deciding. The ratio reported is the median over every pair of all rounds. Writes
 into BENCHMARKS.md (decode_ab).
 """
 
-import argparse
 import os
 import statistics
 import sys
 import tempfile
 
 import report
-from report import LoadedProcess, checkout
+from report import LoadedProcess, alternating_calls, checkout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
@@ -55,23 +54,12 @@ def paired_round(trees: dict, ckpt: str, calls: int) -> dict:
     """{batch: {name: [seconds of each call]}}: calls of each tree in turn, the order alternating."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = {name: LoadedProcess(RUN, tree, ckpt, env=env) for name, tree in trees.items()}
-    times = {b: {name: [] for name in trees} for b in (1, 8)}
-    for call in range(calls):
-        for b in (1, 8):
-            for name in list(procs)[::1 if call % 2 == 0 else -1]:
-                times[b][name].append(float(procs[name].ask(str(b))))
-    for proc in procs.values():
-        proc.close()
-    return times
+    answers = alternating_calls(procs, calls, ["1", "8"])
+    return {int(b): {name: [float(t) for t in times] for name, times in by_tree.items()} for b, by_tree in answers.items()}
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--baseline", nargs="+", default=["16d4a67"])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--calls", type=int, default=7)
-    ap.add_argument("--no-write", action="store_true")
-    a = ap.parse_args()
+    a = report.ab_arguments(__doc__, "16d4a67", rounds=3, calls=7)
     import make_checkpoint
     from tokenizer import Tokenizer
 

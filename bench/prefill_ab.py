@@ -10,14 +10,13 @@ bench/decode_ab.py does; the ratio is the median over all pairs of calls of the 
 / this tree's. Writes its table into BENCHMARKS.md (prefill_ab).
 """
 
-import argparse
 import os
 import statistics
 import sys
 import tempfile
 
 import report
-from report import LoadedProcess, checkout
+from report import LoadedProcess, alternating_calls, checkout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOLLM2 = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -44,23 +43,13 @@ def paired_round(trees: dict, calls: int) -> dict:
     """{name: [(seconds, first token) of each call]}: calls of each tree in turn, the order alternating."""
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
     procs = {name: LoadedProcess(RUN, tree, SMOLLM2, env=env) for name, tree in trees.items()}
-    times = {name: [] for name in trees}
-    for call in range(calls):
-        for name in list(procs)[::1 if call % 2 == 0 else -1]:
-            seconds, first = procs[name].ask("").split(" ", 1)
-            times[name].append((float(seconds), first.strip()))
-    for proc in procs.values():
-        proc.close()
-    return times
+    answers = alternating_calls(procs, calls, [""])[""]
+    return {name: [(float(seconds), first.strip()) for seconds, first in (a.split(" ", 1) for a in by_call)]
+            for name, by_call in answers.items()}
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--baseline", nargs="+", default=["77f93ff"])
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--calls", type=int, default=5)
-    ap.add_argument("--no-write", action="store_true")
-    a = ap.parse_args()
+    a = report.ab_arguments(__doc__, "77f93ff", rounds=2, calls=5)
     import torch
 
     bf16 = "with" if torch.cpu._is_avx512_bf16_supported() else "without"

@@ -90,9 +90,34 @@ class LoadedProcess:
         self.proc.wait()
 
 
+def alternating_calls(procs: dict, calls: int, lines: list[str]) -> dict:
+    """{line: {name: [answer of each call]}}: each line asked of each LoadedProcess in turn, calls
+    times, the order of the processes alternating (pairs of calls meet the same machine); the
+    processes are closed after."""
+    answers = {line: {name: [] for name in procs} for line in lines}
+    for call in range(calls):
+        for line in lines:
+            for name in list(procs)[::1 if call % 2 == 0 else -1]:
+                answers[line][name].append(procs[name].ask(line))
+    for proc in procs.values():
+        proc.close()
+    return answers
+
+
 def rounds_arguments(doc: str) -> argparse.Namespace:
     """--rounds (fresh processes per setting, alternating) and --no-write (print only)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-write", action="store_true")
+    return ap.parse_args()
+
+
+def ab_arguments(doc: str, baseline: str, rounds: int, calls: int) -> argparse.Namespace:
+    """--baseline (earlier commits to compare with), --rounds, --calls (each tree's timed calls a
+    round) and --no-write (print only), for the benches of this tree against earlier commits."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", nargs="+", default=[baseline])
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--calls", type=int, default=calls)
     ap.add_argument("--no-write", action="store_true")
     return ap.parse_args()
