@@ -39,8 +39,12 @@ check-java:
 	$(PY) -m pip install -q --no-compile -r requirements.txt
 	touch $@
 
+# While pip installs (on one core), another process writes the bytecode of what every test
+# process imports first (torch, dynamo, inductor), which the two pytest workers otherwise both
+# compiled as they started.
 .venv/.test: .venv/.runtime requirements-test.txt
-	$(PY) -m pip install -q --no-compile -r requirements-test.txt
+	$(PY) -c "import torch._inductor.compile_fx, torch.distributed" & \
+	  $(PY) -m pip install -q --no-compile -r requirements-test.txt; installed=$$?; wait; exit $$installed
 	touch $@
 
 install: check-java .venv/.runtime
