@@ -23,9 +23,9 @@ MODEL_FILES := $(wildcard *.py *.cpp)
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 # pip installs the packages without their bytecode: compiling all 24,000 files cost 36 s of the
 # test packages' install (60 s against 24) and 24 s of the runtime's (36 against 12), where
-# `make test`'s processes import 9,700 of them. Every process started here writes the bytecode of what it
-# imports, once (TorchServe's workers at their first start), where PYTHONDONTWRITEBYTECODE would
-# have each compile it again.
+# `make test`'s processes import 9,700 of them. Every process started here writes the bytecode
+# of what it imports, once (TorchServe's workers at their first start), where
+# PYTHONDONTWRITEBYTECODE would have each compile it again.
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install demo-model smollm2 llamacpp mar serve stop test test-quick test-combinations bench bench-serving clean check-java
